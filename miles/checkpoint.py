@@ -1,0 +1,105 @@
+"""Atomic checkpoints (safetensors + JSON) and the run ledger; nothing here is ever unpickled."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STATE_FILE = "state.json"
+MODEL_DIR = "model"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def optimizer_to_files(optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    state = optimizer.state_dict()
+    tensors, meta = {}, {"param_groups": state["param_groups"], "state": {}}
+    for param_id, entries in state["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{param_id}.{name}"] = value.detach().contiguous().cpu()
+            else:
+                meta["state"].setdefault(str(param_id), {})[name] = value
+    save_file(tensors, str(directory / OPTIMIZER_TENSORS))
+    (directory / OPTIMIZER_META).write_text(json.dumps(meta))
+
+
+def optimizer_from_files(optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    meta = json.loads((directory / OPTIMIZER_META).read_text())
+    state: dict[int, dict[str, Any]] = {int(k): dict(v) for k, v in meta["state"].items()}
+    for key, tensor in load_file(str(directory / OPTIMIZER_TENSORS)).items():
+        param_id, name = key.split(".", 1)
+        state.setdefault(int(param_id), {})[name] = tensor
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_dir(run_dir: str | Path, rollout_id: int) -> Path:
+    return checkpoint_root(run_dir) / str(rollout_id)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint of the highest rollout_id (a renamed dir always holds its state.json)."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if p.name.isdigit() and (p / STATE_FILE).is_file()]
+    return max(done, key=lambda p: int(p.name), default=None)
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def commit_checkpoint(staging: Path, target: Path) -> None:
+    """Rename a fully written staging dir into place; an existing target (a retried save) is kept."""
+    if target.exists():
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    os.replace(staging, target)
+
+
+class Ledger:
+    """Which rollout_ids were trained, with their metrics: <run_dir>/ledger.json."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "ledger.json"
+        self.trained: dict[int, dict[str, float]] = {}
+        if self.path.exists():
+            self.trained = {int(k): v for k, v in json.loads(self.path.read_text())["trained"].items()}
+
+    def record(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        self.trained[rollout_id] = metrics
+        self._save()
+
+    def forget_after(self, rollout_id: int) -> list[int]:
+        """Drop entries whose weights were lost (trained after the checkpoint a run resumes from)."""
+        lost = sorted(k for k in self.trained if k > rollout_id)
+        for k in lost:
+            del self.trained[k]
+        if lost:
+            self._save()
+        return lost
+
+    def _save(self) -> None:
+        write_json_atomic(self.path, {"trained": {str(k): v for k, v in sorted(self.trained.items())}})

@@ -1,0 +1,168 @@
+"""Run configuration: one pydantic model that is the flow parameter, the YAML file format and the CLI target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    """Shape of the embedded Qwen2 model built when `model.path` is not set."""
+
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    intermediate_size: int = Field(512, gt=0)
+    max_position_embeddings: int = Field(32, gt=0)
+
+
+class WarmupConfig(_Section):
+    """Supervised warm-up of the embedded model, so that RL starts from a policy with some signal."""
+
+    lr: float = Field(3e-3, gt=0)
+    batch_size: int = Field(128, gt=0)
+    target_accuracy: float = Field(0.2, ge=0, le=1)
+    max_steps: int = Field(1500, ge=0)
+    eval_every: int = Field(50, gt=0)
+    eval_prompts: int = Field(200, gt=0)
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="Hugging Face model directory; unset builds the embedded tiny model")
+    tiny: TinyModelConfig = TinyModelConfig()
+    warmup: WarmupConfig = WarmupConfig()
+
+
+class DataConfig(_Section):
+    task: str | None = Field("addition", description="built-in task (see miles.envs); unset when `path` is given")
+    path: str | None = Field(None, description="prompt dataset file (.jsonl, .parquet, .arrow)")
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    shuffle: bool = True
+    reward: str = Field("exact_match", description="reward name (miles.rewards) or import path 'pkg.mod:fn'")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataConfig":
+        if (self.task is None) == (self.path is None):
+            raise ValueError("set exactly one of data.task and data.path")
+        return self
+
+
+class RolloutConfig(_Section):
+    engine: Literal["torch"] = "torch"
+    num_engines: int = Field(1, gt=0)
+    rollout_batch_size: int = Field(64, gt=0, description="prompts per rollout")
+    n_samples_per_prompt: int = Field(8, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(4, gt=0)
+    num_threads: int = Field(2, gt=0, description="torch threads of each engine actor")
+
+
+class AlgoConfig(_Section):
+    advantage_estimator: Literal["grpo"] = "grpo"
+    grpo_std_normalization: bool = True
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: float | None = Field(None, gt=0, description="upper clip; defaults to eps_clip")
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    use_rollout_logprobs: bool = Field(False, description="engine log-probs as the old policy instead of a recompute")
+
+
+class TrainConfig(_Section):
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = Field(1.0, gt=0)
+    global_batch_size: int = Field(256, gt=0, description="samples per optimizer step")
+    micro_batch_size: int = Field(256, gt=0, description="samples per forward/backward")
+    num_passes: int = Field(1, gt=0, description="passes over each rollout")
+    num_threads: int = Field(2, gt=0, description="torch threads of the train actor")
+
+
+class RunConfig(_Section):
+    run_dir: str = "runs/tiny"
+    seed: int = 0
+    num_rollout: int = Field(150, gt=0, description="total rollouts of the run (a resumed run goes on to this)")
+    save_interval: int = Field(50, gt=0, description="checkpoint every N rollouts (and at the end)")
+    ray_address: str | None = Field(None, description="existing Ray cluster; unset starts a local one")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _batch_shapes(self) -> "RunConfig":
+        samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        if samples % self.train.global_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({self.train.global_batch_size}) must divide "
+                f"rollout.rollout_batch_size x rollout.n_samples_per_prompt ({samples})"
+            )
+        if self.train.global_batch_size % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.micro_batch_size ({self.train.micro_batch_size}) must divide "
+                f"train.global_batch_size ({self.train.global_batch_size})"
+            )
+        return self
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field (and the file, when there is one)."""
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in err.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "<root>"
+        lines.append(f"  {field}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form a.b=value")
+    return key.split("."), yaml.safe_load(raw) if raw else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
+    """Build a RunConfig from an optional YAML file, `a.b=value` overrides, then explicit top-level fields."""
+    source = str(path) if path else "defaults"
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = loaded or {}
+    for text in overrides or []:
+        keys, value = _parse_override(text)
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {key} is not a section")
+        node[keys[-1]] = value
+    data.update({k: v for k, v in fields.items() if v is not None})
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None

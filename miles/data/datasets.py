@@ -1,0 +1,56 @@
+"""Load prompt/label rows from JSONL, Parquet or Arrow files, with errors that name the file and row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from miles.config import DataConfig
+from miles.envs import task_rows
+
+
+def load_rows(config: DataConfig) -> list[dict[str, str]]:
+    """The dataset's rows as {"prompt", "label"} dicts, from the built-in task or the file."""
+    if config.task is not None:
+        return task_rows(config.task)
+    return _read_file(Path(config.path), config.prompt_key, config.label_key)
+
+
+def _read_file(path: Path, prompt_key: str, label_key: str) -> list[dict[str, str]]:
+    if not path.is_file():
+        raise ValueError(f"data.path: {path} does not exist or is not a file")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            records = []
+            for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}: row {line_no} is not valid JSON ({exc.msg})") from None
+        elif suffix == ".parquet":
+            records = pq.read_table(path).to_pylist()
+        elif suffix in (".arrow", ".feather"):
+            with pa.memory_map(str(path), "r") as source:
+                records = pa.ipc.open_file(source).read_all().to_pylist()
+        else:
+            raise ValueError(f"data.path: {path} has an unknown format; use .jsonl, .parquet or .arrow")
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise ValueError(f"data.path: cannot read {path}: {exc}") from None
+    if not records:
+        raise ValueError(f"data.path: {path} holds no rows")
+    rows = []
+    for index, record in enumerate(records, start=1):
+        if not isinstance(record, dict) or prompt_key not in record:
+            raise ValueError(f"{path}: row {index} has no {prompt_key!r} column (data.prompt_key)")
+        prompt = record[prompt_key]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{path}: row {index}: {prompt_key!r} must be a non-empty string")
+        label = record.get(label_key)
+        rows.append({"prompt": prompt, "label": "" if label is None else str(label)})
+    return rows

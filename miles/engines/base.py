@@ -1,0 +1,46 @@
+"""The RolloutEngine protocol: what every inference engine (torch, SGLang) offers the controller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """`logprobs[i]` is the log-prob of `output_ids[i]` under the temperature-scaled distribution (before top-p)."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateResult]: ...
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def weight_version(self) -> int: ...
+
+    def health(self) -> bool: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,5 @@
+"""The embedded default model: a tiny Qwen2 and a character tokenizer, in Hugging Face format."""
+
+from miles.models.tiny import build_tokenizer, build_tiny_model, ensure_embedded_model
+
+__all__ = ["build_tokenizer", "build_tiny_model", "ensure_embedded_model"]

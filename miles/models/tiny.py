@@ -1,0 +1,103 @@
+"""Build the tiny model and tokenizer, warm them up with SFT, and cache the result on disk.
+
+The cache key hashes everything that shapes the weights (model shape, warm-up settings, task, seed), so a
+second run reuses the directory and a changed setting builds a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from miles.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+CHARACTERS = "0123456789+-="
+# v2 in the key: bump when the build or warm-up code changes what it produces.
+_BUILD_VERSION = "tiny-v1"
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character; the post-processor prepends BOS so `tok("1+2=")` gives the model's prompt ids."""
+    vocab = {PAD: 0, BOS: 1, EOS: 2}
+    vocab.update({ch: i + 3 for i, ch in enumerate(CHARACTERS)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left"
+    )
+
+
+def build_tiny_model(config: ModelConfig, vocab_size: int, seed: int) -> Qwen2ForCausalLM:
+    shape = config.tiny
+    torch.manual_seed(seed)
+    hf_config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_heads,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    return Qwen2ForCausalLM(hf_config)
+
+
+def _cache_key(config: ModelConfig, task: str, seed: int) -> str:
+    blob = json.dumps(
+        {"v": _BUILD_VERSION, "tiny": config.tiny.model_dump(), "warmup": config.warmup.model_dump(), "task": task, "seed": seed},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_cache_root() -> Path:
+    return Path(os.environ.get("MILES_CACHE", Path.home() / ".cache" / "miles-flow"))
+
+
+def ensure_embedded_model(config: ModelConfig, task: str, seed: int, cache_root: Path | None = None) -> Path:
+    """Return the directory of the warmed-up embedded model, building it once per distinct setting."""
+    from miles.models.warmup import warm_up
+
+    root = cache_root or default_cache_root()
+    target = root / f"tiny-{task}-{_cache_key(config, task, seed)}"
+    if (target / "warmup.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(config, len(tokenizer), seed)
+    report = warm_up(model, tokenizer, task, config.warmup, seed)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "warmup.json").write_text(json.dumps(report, indent=2))
+        try:
+            os.replace(staging, target)
+        except OSError:
+            # Another process built the same model first; theirs is as good as ours.
+            shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("embedded model ready at %s (warm-up greedy accuracy %.3f)", target, report["greedy_accuracy"])
+    return target

@@ -1,0 +1,1 @@
+"""The rollout side: engines' controller, the executor that produces and hands over rollouts, the store."""

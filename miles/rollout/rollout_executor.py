@@ -1,0 +1,128 @@
+"""RolloutExecutor: `generate(rollout_id)` samples, scores and stores a rollout; `get(rollout_id)` hands it over."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from miles.config import RunConfig
+from miles.data import DataSource
+from miles.engines.base import GenerateRequest, SamplingParams
+from miles.rewards import RewardFn
+from miles.rollout.inference_controller import InferenceController
+from miles.rollout.schema import ROLLOUT_SCHEMA, rollout_metadata, with_rollout_metadata
+from miles.rollout.store import RolloutStore
+from miles.train.advantages import grpo_advantages
+
+log = logging.getLogger(__name__)
+
+
+class RolloutExecutor:
+    def __init__(
+        self,
+        config: RunConfig,
+        controller: InferenceController,
+        tokenizer,
+        data_source: DataSource,
+        store: RolloutStore,
+        reward_fn: RewardFn,
+    ):
+        self.config = config
+        self.controller = controller
+        self.tokenizer = tokenizer
+        self.data_source = data_source
+        self.store = store
+        self.reward_fn = reward_fn
+        self.sampling = SamplingParams(
+            temperature=config.rollout.temperature,
+            top_p=config.rollout.top_p,
+            max_new_tokens=config.rollout.max_new_tokens,
+            stop_token_ids=(tokenizer.eos_token_id,),
+        )
+
+    def generate(self, rollout_id: int) -> dict[str, float]:
+        """Produce rollout `rollout_id` unless its file exists (a retry or a resumed run reuses it)."""
+        if self.store.exists(rollout_id):
+            table = self.store.read(rollout_id)
+            self.data_source.load_state_dict({"position": int(rollout_metadata(table)["data_position_end"]), "seed": self.data_source.seed})
+            return summarize(table)
+        cfg = self.config.rollout
+        rows = self.data_source.peek(cfg.rollout_batch_size)
+        prompt_ids = self.tokenizer([r["prompt"] for r in rows])["input_ids"]
+        n = cfg.n_samples_per_prompt
+        requests = [GenerateRequest(prompt_ids=ids, sampling=self.sampling) for ids in prompt_ids for _ in range(n)]
+        results = self.controller.generate(requests, seed=_rollout_seed(self.config.seed, rollout_id))
+
+        labels = [r["label"] for r in rows for _ in range(n)]
+        eos = self.tokenizer.eos_token_id
+        texts = self.tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
+        finished = [r.finish_reason == "stop" and r.output_ids[-1:] == [eos] for r in results]
+        rewards = [float(self.reward_fn(t, l, f)) for t, l, f in zip(texts, labels, finished)]
+        bad = [i for i, v in enumerate(rewards) if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"data.reward {self.config.data.reward!r} returned {rewards[bad[0]]} for sample {bad[0]} of rollout {rollout_id}")
+
+        count = len(results)
+        first_index = rollout_id * self.config.samples_per_rollout
+        lengths = [len(r.output_ids) for r in results]
+        columns = {
+            "rollout_id": pa.array(np.full(count, rollout_id), pa.int64()),
+            "sample_index": pa.array(np.arange(first_index, first_index + count), pa.int64()),
+            "group_index": pa.array(np.repeat(np.arange(rollout_id * cfg.rollout_batch_size, (rollout_id + 1) * cfg.rollout_batch_size), n), pa.int64()),
+            "adapter": pa.nulls(count, ROLLOUT_SCHEMA.field("adapter").type),
+            "prompt_ids": pa.array([ids for ids in prompt_ids for _ in range(n)], pa.list_(pa.int32())),
+            "response_ids": pa.array([r.output_ids for r in results], pa.list_(pa.int32())),
+            "response_length": pa.array(lengths, pa.int32()),
+            "rollout_logprobs": pa.array([r.logprobs for r in results], pa.list_(pa.float32())),
+            "loss_mask": pa.array([[1] * k for k in lengths], pa.list_(pa.int8())),
+            "raw_reward": pa.array(rewards, pa.float32()),
+            "advantage": pa.nulls(count, pa.float32()),
+            "status": pa.array(["completed" if f else "truncated" for f in finished]).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
+            "weight_version": pa.array([r.weight_version for r in results], pa.int64()),
+            "label": pa.array(labels, pa.string()),
+        }
+        table = pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
+        end = self.data_source.position + cfg.rollout_batch_size
+        table = with_rollout_metadata(
+            table, rollout_id=rollout_id, algorithm=self.config.algo.advantage_estimator, data_position_end=end
+        )
+        self.store.write(rollout_id, table)
+        self.data_source.position = end
+        return summarize(table)
+
+    def get(self, rollout_id: int) -> pa.Table:
+        """The stored rollout with group-normalised advantages, trimmed to a multiple of global_batch_size."""
+        table = self.store.read(rollout_id)
+        advantages = grpo_advantages(
+            table.column("raw_reward").to_numpy(),
+            table.column("group_index").to_numpy(),
+            std_normalization=self.config.algo.grpo_std_normalization,
+        )
+        table = table.set_column(table.schema.get_field_index("advantage"), ROLLOUT_SCHEMA.field("advantage"), pa.array(advantages))
+        keep = table.num_rows - table.num_rows % self.config.train.global_batch_size
+        if keep == 0:
+            raise ValueError(
+                f"rollout {rollout_id} has {table.num_rows} samples, fewer than train.global_batch_size "
+                f"({self.config.train.global_batch_size})"
+            )
+        return table.slice(0, keep)
+
+
+def _rollout_seed(run_seed: int, rollout_id: int) -> int:
+    # Fixed per rollout_id, so a retried generate samples the same tokens.
+    return (run_seed * 1_000_003 + rollout_id) % (2**63)
+
+
+def summarize(table: pa.Table) -> dict[str, float]:
+    status = table.column("status").cast(pa.string())
+    return {
+        "reward_mean": float(pc.mean(table.column("raw_reward")).as_py()),
+        "response_length_mean": float(pc.mean(table.column("response_length")).as_py()),
+        "truncated_fraction": float(pc.mean(pc.equal(status, "truncated").cast(pa.float32())).as_py()),
+        "samples": table.num_rows,
+        "weight_version": int(pc.min(table.column("weight_version")).as_py()),
+    }

@@ -1,0 +1,46 @@
+"""The rollout table: one row per sample, the handover format between rollout and trainer."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1"
+STATUSES = ("completed", "truncated", "aborted", "failed")
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        pa.field("rollout_id", pa.int64(), nullable=False),
+        pa.field("sample_index", pa.int64(), nullable=False),
+        pa.field("group_index", pa.int64(), nullable=False),
+        pa.field("adapter", pa.dictionary(pa.int32(), pa.string())),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_length", pa.int32(), nullable=False),
+        pa.field("rollout_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("raw_reward", pa.float32(), nullable=False),
+        pa.field("advantage", pa.float32()),
+        pa.field("status", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("weight_version", pa.int64(), nullable=False),
+        pa.field("label", pa.string()),
+    ],
+    metadata={"schema_version": SCHEMA_VERSION},
+)
+
+
+def with_rollout_metadata(table: pa.Table, **entries: str | int) -> pa.Table:
+    meta = dict(table.schema.metadata or {})
+    meta.update({k.encode(): str(v).encode() for k, v in entries.items()})
+    return table.replace_schema_metadata(meta)
+
+
+def rollout_metadata(table: pa.Table) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+
+
+def check_schema(table: pa.Table, source: str) -> None:
+    expected = ROLLOUT_SCHEMA.remove_metadata()
+    actual = table.schema.remove_metadata()
+    if not actual.equals(expected):
+        missing = set(expected.names) - set(actual.names)
+        raise ValueError(f"{source}: not a rollout table (schema differs; missing columns {sorted(missing)})")

@@ -1,0 +1,45 @@
+"""Arrow IPC files per rollout under <run_dir>/rollouts/, written atomically, read memory-mapped."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+
+from miles.rollout.schema import check_schema
+
+
+class RolloutStore:
+    def __init__(self, run_dir: str | Path):
+        self.root = Path(run_dir) / "rollouts"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, rollout_id: int) -> Path:
+        return self.root / f"rollout_{rollout_id}.arrow"
+
+    def exists(self, rollout_id: int) -> bool:
+        return self.path(rollout_id).exists()
+
+    def write(self, rollout_id: int, table: pa.Table) -> Path:
+        check_schema(table, f"rollout {rollout_id}")
+        target = self.path(rollout_id)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
+                sink.flush()
+                os.fsync(sink.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return target
+
+    def read(self, rollout_id: int) -> pa.Table:
+        path = self.path(rollout_id)
+        with pa.memory_map(str(path), "r") as source:
+            table = pa.ipc.open_file(source).read_all()
+        check_schema(table, str(path))
+        return table

@@ -1,0 +1,184 @@
+"""RLRun: one run's pieces (run dir, model, engine and trainer actors), resumed from the run directory.
+
+Flows and the plain loop drive the same calls: generate -> get -> train -> sync_weights per rollout_id,
+then save_checkpoint when due and finish_iteration. Each call is idempotent per rollout_id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import ray
+from transformers import AutoTokenizer
+
+from miles.checkpoint import MODEL_DIR, Ledger, latest_checkpoint, read_state, write_json_atomic
+from miles.cluster import actor_options, ensure_ray
+from miles.config import ConfigError, RunConfig
+from miles.data import DataSource, load_rows
+from miles.models import ensure_embedded_model
+from miles.progress import IterationReporter
+from miles.rewards import resolve_reward
+from miles.rollout.inference_controller import InferenceController
+from miles.rollout.rollout_executor import RolloutExecutor
+from miles.rollout.store import RolloutStore
+from miles.train.actor import TrainActor
+
+log = logging.getLogger(__name__)
+
+PACKAGES = ("miles-flow", "torch", "transformers", "ray", "pyarrow", "prefect", "sglang")
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+class RLRun:
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Everything that can reject the input runs before any model build or actor start.
+        try:
+            rows = load_rows(config.data)
+            reward_fn = resolve_reward(config.data.reward)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if config.model.path is None and config.data.task is None:
+            raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
+
+        self.initial_model = self._initial_model()
+        checkpoint = latest_checkpoint(self.run_dir)
+        state = read_state(checkpoint) if checkpoint else None
+        self.start_rollout_id = state["rollout_id"] + 1 if state else 0
+        weight_version = state["weight_version"] if state else 0
+        lost = Ledger(self.run_dir).forget_after(self.start_rollout_id - 1)
+        if lost:
+            log.warning("rollouts %s were trained after the last checkpoint; they will be trained again", lost)
+        self._truncate_metrics()
+        self._write_run_record(checkpoint)
+
+        ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
+        self.trainer = ray.remote(TrainActor).options(**actor_options()).remote(
+            config, str(self.initial_model), str(checkpoint) if checkpoint else None
+        )
+        engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
+        self.controller = InferenceController(str(engine_model), weight_version, config.rollout.num_engines, config.rollout.num_threads)
+        self.data_source = DataSource(rows, seed=config.seed, shuffle=config.data.shuffle)
+        if state:
+            self.data_source.load_state_dict(state["data"])
+        self.store = RolloutStore(self.run_dir)
+        tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
+        self.executor = RolloutExecutor(config, self.controller, tokenizer, self.data_source, self.store, reward_fn)
+        self._timings: dict[int, dict[str, float]] = {}
+        self._summaries: dict[int, dict[str, Any]] = {}
+        self._metrics: dict[int, dict[str, float]] = {}
+        self.reporter = IterationReporter(config.num_rollout, self.start_rollout_id)
+
+    def _initial_model(self) -> Path:
+        record = self.run_dir / "run.json"
+        if record.exists():
+            return Path(json.loads(record.read_text())["initial_model"])
+        if self.config.model.path:
+            return Path(self.config.model.path)
+        return ensure_embedded_model(self.config.model, self.config.data.task, self.config.seed)
+
+    def _write_run_record(self, checkpoint: Path | None) -> None:
+        record_path = self.run_dir / "run.json"
+        record = json.loads(record_path.read_text()) if record_path.exists() else {"starts": []}
+        record.update(config=self.config.model_dump(mode="json"), initial_model=str(self.initial_model), versions=_versions())
+        record["starts"].append({"time": time.time(), "rollout_id": self.start_rollout_id, "checkpoint": str(checkpoint) if checkpoint else None})
+        write_json_atomic(record_path, record)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def _truncate_metrics(self) -> None:
+        if not self.metrics_path.exists():
+            return
+        lines = self.metrics_path.read_text().splitlines()
+        kept = [line for line in lines if json.loads(line)["rollout_id"] < self.start_rollout_id]
+        if len(kept) != len(lines):
+            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def rollout_ids(self) -> range:
+        return range(self.start_rollout_id, self.config.num_rollout)
+
+    def _timed(self, rollout_id: int, phase: str, started: float) -> None:
+        self._timings.setdefault(rollout_id, {})[f"time_{phase}"] = time.perf_counter() - started
+
+    def generate(self, rollout_id: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        summary = self.executor.generate(rollout_id)
+        self._summaries[rollout_id] = summary
+        self._timed(rollout_id, "generate", started)
+        return summary
+
+    def get(self, rollout_id: int) -> pa.Table:
+        started = time.perf_counter()
+        table = self.executor.get(rollout_id)
+        self._timed(rollout_id, "get", started)
+        return table
+
+    def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = ray.get(self.trainer.train.remote(rollout_id, table))
+        self._metrics[rollout_id] = metrics
+        self._timed(rollout_id, "train", started)
+        return metrics
+
+    def sync_weights(self, rollout_id: int) -> int:
+        """Push the weights trained on `rollout_id` to every engine as version rollout_id + 1."""
+        started = time.perf_counter()
+        version = rollout_id + 1
+        self.controller.update_weights(self.trainer.weights.remote(), version)
+        self._timed(rollout_id, "sync", started)
+        return version
+
+    def should_save(self, rollout_id: int) -> bool:
+        return (rollout_id + 1) % self.config.save_interval == 0 or rollout_id == self.config.num_rollout - 1
+
+    def save_checkpoint(self, rollout_id: int) -> str:
+        state = {"weight_version": rollout_id + 1, "data": self.data_source.state_dict(), "seed": self.config.seed}
+        return ray.get(self.trainer.save_checkpoint.remote(rollout_id, state))
+
+    def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
+        """Append the iteration's record to metrics.jsonl (once per rollout_id) and report progress."""
+        record = {
+            "rollout_id": rollout_id,
+            **self._summaries.pop(rollout_id, {}),
+            **self._metrics.pop(rollout_id, {}),
+            **{f"time_{p}": 0.0 for p in ("generate", "get", "train", "sync")},
+            **self._timings.pop(rollout_id, {}),
+        }
+        recorded = set()
+        if self.metrics_path.exists():
+            recorded = {json.loads(line)["rollout_id"] for line in self.metrics_path.read_text().splitlines()}
+        if rollout_id not in recorded:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        self.reporter.update(record)
+        return record
+
+    def close(self) -> None:
+        self.reporter.close()
+        self.controller.shutdown()
+        ray.kill(self.trainer)
+
+    def __enter__(self) -> "RLRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,46 @@
+"""Policy-gradient loss pieces as plain tensor functions over [B, T] token grids and a token mask."""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of tokens[:, t] given the prefix, at position t ([B, T]; position 0 has none and is 0)."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the next-token distribution that produced the token at position t ([B, T])."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over masked tokens of the clipped surrogate max(-A r, -A clip(r)), and the count of clipped tokens.
+
+    `advantages` is per sequence ([B]) or per token ([B, T]). Sums, not means, so that micro-batches add
+    up to the global batch's token mean when the caller divides by its token count.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    return (per_token * mask).sum(), ((clipped > unclipped) * mask).sum()
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over masked tokens of the k3 estimator of KL(policy || ref): exp(d) - d - 1 with d = ref - logp."""
+    delta = ref_logprobs - logprobs
+    return ((torch.exp(delta) - delta - 1.0) * mask).sum()
