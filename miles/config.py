@@ -127,8 +127,9 @@ class ConfigError(ValueError):
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for item in err.errors():
-        field = ".".join(str(p) for p in item["loc"]) or "<root>"
-        lines.append(f"  {field}: {item['msg']}")
+        message = item["msg"].removeprefix("Value error, ")
+        field = ".".join(str(p) for p in item["loc"])
+        lines.append(f"  {field}: {message}" if field else f"  {message}")
     return "\n".join(lines)
 
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-log = logging.getLogger("miles.progress")
 
 
 def format_record(record: dict, total: int) -> str:
@@ -34,7 +31,6 @@ class IterationReporter:
     def update(self, record: dict) -> None:
         line = format_record(record, self.total)
         if self.progress is None:
-            log.info(line)
             print(line, flush=True)
             return
         self.progress.console.print(line)

@@ -23,7 +23,7 @@ from miles.config import ConfigError, RunConfig
 from miles.data import DataSource, load_rows
 from miles.models import ensure_embedded_model
 from miles.progress import IterationReporter
-from miles.rewards import resolve_reward
+from miles.rewards import RewardFn, resolve_reward
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.rollout_executor import RolloutExecutor
 from miles.rollout.store import RolloutStore
@@ -44,19 +44,22 @@ def _versions() -> dict[str, str]:
     return found
 
 
+def check_inputs(config: RunConfig) -> tuple[list[dict[str, str]], RewardFn]:
+    """Load the dataset and resolve the reward: everything that can reject the input, before any work."""
+    if config.model.path is None and config.data.task is None:
+        raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
+    try:
+        return load_rows(config.data), resolve_reward(config.data.reward)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 class RLRun:
     def __init__(self, config: RunConfig):
         self.config = config
+        rows, reward_fn = check_inputs(config)
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # Everything that can reject the input runs before any model build or actor start.
-        try:
-            rows = load_rows(config.data)
-            reward_fn = resolve_reward(config.data.reward)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if config.model.path is None and config.data.task is None:
-            raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
 
         self.initial_model = self._initial_model()
         checkpoint = latest_checkpoint(self.run_dir)

@@ -1,0 +1,25 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both create .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; on a CUDA machine pass e.g. TORCH=torch==2.13.0 from the CUDA index you use.
+TORCH ?= torch==2.13.0
+PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
+
+.PHONY: install run test ui
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+run: install
+	$(VENV)/bin/miles run sync
+
+test: install
+	$(PY) -m pytest -q
+
+ui: install
+	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200

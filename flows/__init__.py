@@ -1,0 +1,1 @@
+"""Prefect flow graphs over the tasks; one file per graph."""

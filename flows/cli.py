@@ -1,0 +1,52 @@
+"""`miles` command line: parse and validate the config first, import the heavy modules after."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+FLOWS = ("sync",)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miles", description="RL post-training as Prefect flows.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run an RL flow")
+    run.add_argument("flow", choices=FLOWS, help="which flow graph")
+    run.add_argument("--config", help="YAML config file (default: the embedded tiny model on addition)")
+    run.add_argument("--run-dir", help="run directory (an existing one resumes)")
+    run.add_argument("--num-rollout", type=int, help="total rollouts of the run")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from miles.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides, run_dir=args.run_dir, num_rollout=args.num_rollout)
+        from miles.run import check_inputs
+
+        check_inputs(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    from flows.runtime import configure_prefect
+
+    configure_prefect()
+    from flows.sync_rl import sync_rl
+
+    state = sync_rl(config, return_state=True)
+    if not state.is_completed():
+        print(f"flow run ended {state.name}: {state.message}", file=sys.stderr)
+        return 1
+    summary = state.result()
+    print(f"done: {summary['rollouts_trained']} rollouts trained in {summary['run_dir']}; "
+          f"final reward {summary['final_reward_mean']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

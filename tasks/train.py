@@ -1,0 +1,18 @@
+import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from miles.run import RLRun
+
+
+@task(
+    name="train_step",
+    task_run_name="train_step[rollout={rollout_id}]",
+    tags=["train"],
+    retries=2,
+    retry_delay_seconds=1,
+    cache_policy=NO_CACHE,
+)
+def train_step(run: RLRun, rollout_id: int, table: pa.Table) -> dict:
+    """Optimizer steps on the rollout; a rollout already in the ledger returns its recorded metrics."""
+    return run.train(rollout_id, table)

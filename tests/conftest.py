@@ -1,0 +1,70 @@
+"""Shared fixtures: one tiny model, one Ray and one Prefect test API per session (each start costs seconds)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(model_cache) -> Path:
+    """The embedded model with a short warm-up: real weights and tokenizer, built in seconds."""
+    from miles.config import ModelConfig, WarmupConfig
+    from miles.models import ensure_embedded_model
+
+    config = ModelConfig(warmup=WarmupConfig(max_steps=100, eval_every=100, target_accuracy=1.0))
+    return ensure_embedded_model(config, "addition", seed=0, cache_root=model_cache)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    from miles.cluster import ensure_ray
+
+    ensure_ray(None, actors=3)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield
+
+
+@pytest.fixture
+def small_config(tmp_path, tiny_model_dir):
+    """A RunConfig that runs an iteration in well under a second on the tiny model."""
+    from miles.config import load_config
+
+    def make(*overrides: str, **fields):
+        base = [
+            f"model.path={tiny_model_dir}",
+            "rollout.rollout_batch_size=8",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.num_threads=1",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=8",
+            "train.num_threads=1",
+            "train.lr=1e-3",
+        ]
+        fields.setdefault("run_dir", str(tmp_path / "run"))
+        fields.setdefault("num_rollout", 2)
+        return load_config(None, base + list(overrides), **fields)
+
+    return make
