@@ -1,0 +1,175 @@
+"""miles.data.datasets: prompt files in JSONL, Parquet and Arrow, and errors that name file and row."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+
+from miles.config import DataConfig
+from miles.data import load_rows
+from miles.envs import task_rows
+
+RECORDS = [
+    {"question": "1+1=", "answer": 2, "extra": "x"},
+    {"question": "what is 3+4?", "answer": "7", "extra": "y"},
+    {"question": "no label", "answer": None, "extra": "z"},
+]
+EXPECTED = [
+    {"prompt": "1+1=", "label": "2"},
+    {"prompt": "what is 3+4?", "label": "7"},
+    {"prompt": "no label", "label": ""},
+]
+
+
+def _config(path, prompt_key="question", label_key="answer") -> DataConfig:
+    return DataConfig(task=None, path=str(path), prompt_key=prompt_key, label_key=label_key)
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _arrow_table(records):
+    return pa.table(
+        {
+            "question": [r["question"] for r in records],
+            "answer": [None if r["answer"] is None else str(r["answer"]) for r in records],
+            "extra": [r["extra"] for r in records],
+        }
+    )
+
+
+def test_task_rows_when_task_is_set():
+    assert load_rows(DataConfig()) == task_rows("addition")
+
+
+def test_jsonl(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", RECORDS)
+    assert load_rows(_config(path)) == EXPECTED
+
+
+def test_jsonl_skips_blank_lines(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n" + json.dumps(RECORDS[0]) + "\n   \n" + json.dumps(RECORDS[1]) + "\n\n")
+    assert load_rows(_config(path)) == EXPECTED[:2]
+
+
+def test_missing_label_column_gives_empty_label(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"question": "q1"}, {"question": "q2", "answer": 5}])
+    assert load_rows(_config(path)) == [{"prompt": "q1", "label": ""}, {"prompt": "q2", "label": "5"}]
+
+
+def test_parquet(tmp_path):
+    path = tmp_path / "p.parquet"
+    pq.write_table(_arrow_table(RECORDS), path)
+    assert load_rows(_config(path)) == EXPECTED
+
+
+def test_arrow_ipc_file(tmp_path):
+    path = tmp_path / "p.arrow"
+    table = _arrow_table(RECORDS)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    assert load_rows(_config(path)) == EXPECTED
+
+
+def test_feather_suffix_and_upper_case_suffix(tmp_path):
+    feather_path = tmp_path / "p.feather"
+    feather.write_feather(_arrow_table(RECORDS), feather_path, compression="uncompressed")
+    assert load_rows(_config(feather_path)) == EXPECTED
+    upper = _write_jsonl(tmp_path / "P.JSONL", RECORDS)
+    assert load_rows(_config(upper)) == EXPECTED
+
+
+def test_default_keys(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "label": "b"}])
+    config = DataConfig(task=None, path=str(path))
+    assert load_rows(config) == [{"prompt": "a", "label": "b"}]
+
+
+def test_bad_json_line_names_file_and_row(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps(RECORDS[1]) + "\n{not json\n")
+    with pytest.raises(ValueError) as info:
+        load_rows(_config(path))
+    assert str(path) in str(info.value)
+    assert "row 3" in str(info.value)
+
+
+def test_missing_prompt_column_names_row(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [RECORDS[0], RECORDS[1], {"answer": 1}])
+    with pytest.raises(ValueError) as info:
+        load_rows(_config(path))
+    message = str(info.value)
+    assert str(path) in message
+    assert "row 3" in message
+    assert "question" in message
+
+
+def test_missing_prompt_column_in_parquet(tmp_path):
+    path = tmp_path / "p.parquet"
+    pq.write_table(_arrow_table(RECORDS), path)
+    with pytest.raises(ValueError) as info:
+        load_rows(_config(path, prompt_key="prompt"))
+    assert str(path) in str(info.value)
+    assert "row 1" in str(info.value)
+    assert "'prompt'" in str(info.value)
+
+
+def test_non_object_json_row(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(RECORDS[0]) + "\n[1, 2]\n")
+    with pytest.raises(ValueError, match="row 2"):
+        load_rows(_config(path))
+
+
+@pytest.mark.parametrize("prompt", ["", 12, None])
+def test_prompt_must_be_non_empty_string(tmp_path, prompt):
+    path = _write_jsonl(tmp_path / "p.jsonl", [RECORDS[0], {"question": prompt, "answer": "1"}])
+    with pytest.raises(ValueError, match="row 2") as info:
+        load_rows(_config(path))
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_file(tmp_path, content):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="no rows") as info:
+        load_rows(_config(path))
+    assert str(path) in str(info.value)
+
+
+def test_unknown_suffix(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text("question,answer\n1+1=,2\n")
+    with pytest.raises(ValueError, match="unknown format") as info:
+        load_rows(_config(path))
+    assert str(path) in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "absent.jsonl"
+    with pytest.raises(ValueError, match="data.path") as info:
+        load_rows(_config(path))
+    assert str(path) in str(info.value)
+
+
+def test_directory_is_not_a_file(tmp_path):
+    path = tmp_path / "dir.jsonl"
+    path.mkdir()
+    with pytest.raises(ValueError, match="data.path"):
+        load_rows(_config(path))
+
+
+def test_corrupt_parquet(tmp_path):
+    path = tmp_path / "p.parquet"
+    path.write_bytes(b"this is not parquet at all")
+    with pytest.raises(ValueError, match="data.path") as info:
+        load_rows(_config(path))
+    assert str(path) in str(info.value)

@@ -1,0 +1,101 @@
+import pyarrow as pa
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from miles.engines import GenerateRequest, SamplingParams
+from miles.engines.torch_engine import TorchEngine
+from miles.rollout.schema import ROLLOUT_SCHEMA
+from miles.train.actor import TrainActor
+from miles.train.batch import batch_from_table
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _requests(tokenizer, prompts, **sampling):
+    params = SamplingParams(stop_token_ids=(tokenizer.eos_token_id,), **{"max_new_tokens": 4, **sampling})
+    return [GenerateRequest(prompt_ids=tokenizer(p)["input_ids"], sampling=params) for p in prompts]
+
+
+def _table(requests, results, advantages=None) -> pa.Table:
+    n = len(results)
+    return pa.Table.from_pydict(
+        {
+            "rollout_id": [0] * n,
+            "sample_index": list(range(n)),
+            "group_index": list(range(n)),
+            "adapter": pa.nulls(n, ROLLOUT_SCHEMA.field("adapter").type),
+            "prompt_ids": [r.prompt_ids for r in requests],
+            "response_ids": [r.output_ids for r in results],
+            "response_length": [len(r.output_ids) for r in results],
+            "rollout_logprobs": [r.logprobs for r in results],
+            "loss_mask": [[1] * len(r.output_ids) for r in results],
+            "raw_reward": [0.0] * n,
+            "advantage": advantages or [0.0] * n,
+            "status": pa.array(["completed"] * n).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
+            "weight_version": [r.weight_version for r in results],
+            "label": [""] * n,
+        },
+        schema=ROLLOUT_SCHEMA,
+    )
+
+
+def test_engine_logprobs_equal_trainer_logprobs(engine, tokenizer, tiny_model_dir, small_config):
+    prompts = ["1+2=", "45+67=", "9+99=", "10+0=", "3+14="] * 4
+    requests = _requests(tokenizer, prompts)
+    results = engine.generate(requests, seed=7)
+    trainer = TrainActor(small_config(), str(tiny_model_dir))
+    batch = batch_from_table(_table(requests, results), trainer.pad_token_id)
+    trainer_lp = trainer._logprobs(trainer.model, batch)
+    mask = batch.response_mask
+    assert mask.sum() == sum(len(r.output_ids) for r in results)
+    assert torch.allclose(trainer_lp[mask], batch.rollout_logprobs[mask], atol=1e-5)
+    assert all(lp <= 0.0 for r in results for lp in r.logprobs)
+
+
+def test_generation_is_reproducible_per_seed_and_reports_version(engine, tokenizer):
+    requests = _requests(tokenizer, ["12+34=", "5+5="] * 8)
+    first = engine.generate(requests, seed=1)
+    again = engine.generate(requests, seed=1)
+    other = engine.generate(requests, seed=2)
+    assert [r.output_ids for r in first] == [r.output_ids for r in again]
+    assert [r.output_ids for r in first] != [r.output_ids for r in other]
+    assert {r.weight_version for r in first} == {3}
+
+
+def test_stop_and_length_finish_reasons(engine, tokenizer):
+    eos = tokenizer.eos_token_id
+    results = engine.generate(_requests(tokenizer, ["1+1="] * 32, max_new_tokens=2), seed=0)
+    for r in results:
+        assert 1 <= len(r.output_ids) <= 2
+        if r.finish_reason == "stop":
+            assert r.output_ids[-1] == eos
+        else:
+            assert r.finish_reason == "length" and len(r.output_ids) == 2 and eos not in r.output_ids
+
+
+def test_top_p_keeps_only_the_most_likely_token_when_tiny(engine, tokenizer):
+    greedy_like = engine.generate(_requests(tokenizer, ["23+45="] * 8, top_p=1e-6), seed=3)
+    assert len({tuple(r.output_ids) for r in greedy_like}) == 1
+
+
+def test_update_weights_changes_outputs_and_version(tiny_model_dir, tokenizer):
+    engine = TorchEngine(str(tiny_model_dir), num_threads=1)
+    requests = _requests(tokenizer, ["7+8="] * 4)
+    before = engine.generate(requests, seed=0)
+    weights = {k: torch.zeros_like(v) for k, v in engine.model.state_dict().items()}
+    engine.update_weights(weights, version=5)
+    after = engine.generate(requests, seed=0)
+    assert engine.weight_version() == 5 and {r.weight_version for r in after} == {5}
+    # All-zero weights give uniform logits: every token has log-prob -log(vocab).
+    vocab = engine.model.config.vocab_size
+    assert all(abs(lp + torch.log(torch.tensor(float(vocab))).item()) < 1e-5 for r in after for lp in r.logprobs)
+    assert [r.logprobs for r in before] != [r.logprobs for r in after]

@@ -1,0 +1,178 @@
+"""miles.config: defaults, YAML + overrides + kwargs layering, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.config import ConfigError, RunConfig, load_config
+
+
+def test_defaults_validate():
+    config = load_config()
+    assert isinstance(config, RunConfig)
+    assert config == RunConfig()
+    # The defaults must satisfy the batch-shape rules themselves.
+    assert config.samples_per_rollout % config.train.global_batch_size == 0
+    assert config.train.global_batch_size % config.train.micro_batch_size == 0
+    assert config.samples_per_rollout == config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    assert config.data.task == "addition" and config.data.path is None
+
+
+def test_yaml_then_overrides_then_kwargs(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "seed: 3\n"
+        "num_rollout: 7\n"
+        "rollout:\n"
+        "  rollout_batch_size: 8\n"
+        "  n_samples_per_prompt: 4\n"
+        "  temperature: 0.5\n"
+        "train:\n"
+        "  global_batch_size: 16\n"
+        "  micro_batch_size: 8\n"
+        "  lr: 0.01\n"
+    )
+    config = load_config(
+        path,
+        ["train.lr=0.002", "algo.use_kl_loss=true", "model.tiny.hidden_size=64", "data.reward=digit_match"],
+        num_rollout=9,
+        run_dir=str(tmp_path / "run"),
+        ray_address=None,  # None kwargs leave the value alone
+    )
+    # From the file, untouched.
+    assert config.seed == 3
+    assert config.rollout.rollout_batch_size == 8
+    assert config.rollout.n_samples_per_prompt == 4
+    assert config.rollout.temperature == 0.5
+    assert config.train.global_batch_size == 16
+    assert config.train.micro_batch_size == 8
+    # Overrides win over the file, and reach nested sections the file does not mention.
+    assert config.train.lr == pytest.approx(0.002)
+    assert config.algo.use_kl_loss is True
+    assert config.model.tiny.hidden_size == 64
+    assert config.model.tiny.num_layers == 2  # sibling keeps its default
+    assert config.data.reward == "digit_match"
+    # Top-level kwargs win over the file.
+    assert config.num_rollout == 9
+    assert config.run_dir == str(tmp_path / "run")
+    assert config.ray_address is None
+
+
+def test_override_without_file_and_null_value():
+    config = load_config(None, ["data.task=null", "data.path=/tmp/x.jsonl", "data.prompt_key=question"])
+    assert config.data.task is None
+    assert config.data.path == "/tmp/x.jsonl"
+    assert config.data.prompt_key == "question"
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="a.b=value"):
+        load_config(None, ["train.lr"])
+
+
+def _message(*overrides: str, path=None, **fields) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides), **fields)
+    return str(info.value)
+
+
+def test_unknown_field_is_named():
+    message = _message("train.lrr=0.1")
+    assert "train.lrr" in message
+
+
+def test_negative_size_is_named():
+    message = _message("rollout.rollout_batch_size=-1")
+    assert "rollout.rollout_batch_size" in message
+
+
+def test_config_error_is_value_error():
+    with pytest.raises(ValueError):
+        load_config(None, ["train.lr=-1"])
+
+
+def test_global_batch_must_divide_samples():
+    # 8 prompts x 3 samples = 24 samples, not a multiple of 16.
+    message = _message(
+        "rollout.rollout_batch_size=8",
+        "rollout.n_samples_per_prompt=3",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=8",
+    )
+    assert "train.global_batch_size" in message
+    assert "24" in message
+
+
+def test_global_batch_dividing_samples_is_accepted():
+    config = load_config(
+        None,
+        [
+            "rollout.rollout_batch_size=8",
+            "rollout.n_samples_per_prompt=3",
+            "train.global_batch_size=12",
+            "train.micro_batch_size=4",
+        ],
+    )
+    assert config.samples_per_rollout == 24
+
+
+def test_micro_batch_must_divide_global_batch():
+    message = _message(
+        "rollout.rollout_batch_size=8",
+        "rollout.n_samples_per_prompt=4",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=6",
+    )
+    assert "train.micro_batch_size" in message
+
+
+def test_data_with_both_task_and_path():
+    message = _message("data.path=prompts.jsonl")  # task keeps its default "addition"
+    assert "data.task" in message and "data.path" in message
+
+
+def test_data_with_neither_task_nor_path():
+    message = _message("data.task=null")
+    assert "data.task" in message and "data.path" in message
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    message = _message(path=missing)
+    assert str(missing) in message
+
+
+def test_unreadable_config_file(tmp_path):
+    # A directory cannot be read as a file (chmod is no use when the tests run as root).
+    message = _message(path=tmp_path)
+    assert str(tmp_path) in message
+
+
+def test_invalid_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train: [unclosed\n")
+    message = _message(path=path)
+    assert str(path) in message
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_non_mapping_yaml(tmp_path, text):
+    path = tmp_path / "list.yaml"
+    path.write_text(text)
+    message = _message(path=path)
+    assert str(path) in message
+    assert "mapping" in message
+
+
+def test_empty_yaml_gives_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == RunConfig()
+
+
+def test_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lrr: 0.1\n")
+    message = _message(path=path)
+    assert str(path) in message
+    assert "train.lrr" in message

@@ -1,0 +1,88 @@
+"""The library without Prefect: the plain loop, resume from the run dir, idempotent train."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import ray
+import torch
+
+from miles.checkpoint import latest_checkpoint, read_state
+from miles.loop import run_sync
+from miles.rollout.schema import ROLLOUT_SCHEMA
+from miles.run import RLRun
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_miles_imports_no_prefect():
+    modules = [p.relative_to(".").with_suffix("").as_posix().replace("/", ".") for p in Path("miles").rglob("*.py")]
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules if not m.endswith("__init__")) + "print('prefect' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_plain_loop_runs_and_records_the_run(ray_session, small_config):
+    config = small_config(num_rollout=3, save_interval=2)
+    records = run_sync(config)
+    run_dir = Path(config.run_dir)
+
+    assert [r["rollout_id"] for r in records] == [0, 1, 2]
+    assert [m["rollout_id"] for m in _metrics(run_dir)] == [0, 1, 2]
+    for m in _metrics(run_dir):
+        for key in ("reward_mean", "response_length_mean", "time_generate", "time_get", "time_train", "time_sync"):
+            assert key in m
+        # fp32 on CPU: the trainer's recompute matches the engine's log-probs on-policy.
+        assert m["train_rollout_logprob_abs_diff"] < 1e-4
+        assert m["optimizer_steps"] == 2
+    # Rollout i is sampled by the weights trained on rollouts < i.
+    assert [m["weight_version"] for m in _metrics(run_dir)] == [0, 1, 2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]
+    state = read_state(latest_checkpoint(run_dir))
+    assert state["rollout_id"] == 2 and state["weight_version"] == 3 and state["data"]["position"] == 24
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["initial_model"] == config.model.path and "torch" in record["versions"]
+    table = pa.ipc.open_file(pa.memory_map(str(run_dir / "rollouts" / "rollout_2.arrow"))).read_all()
+    assert table.schema.remove_metadata().equals(ROLLOUT_SCHEMA.remove_metadata())
+    assert table.num_rows == 32
+
+
+def test_resume_after_a_stopped_run_continues_at_the_next_rollout(ray_session, small_config):
+    config = small_config(num_rollout=4, save_interval=1)
+    with RLRun(config) as run:  # stopped after rollout 1 was trained and rollout 2 was generated
+        for rollout_id in (0, 1):
+            run.generate(rollout_id)
+            run.train(rollout_id, run.get(rollout_id))
+            run.sync_weights(rollout_id)
+            run.save_checkpoint(rollout_id)
+            run.finish_iteration(rollout_id)
+        run.generate(2)
+    rollout_2 = Path(config.run_dir) / "rollouts" / "rollout_2.arrow"
+    generated_at = rollout_2.stat().st_mtime_ns
+
+    records = run_sync(config)
+
+    assert [r["rollout_id"] for r in records] == [2, 3]
+    assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3]
+    assert rollout_2.stat().st_mtime_ns == generated_at  # reused, not regenerated
+    assert read_state(latest_checkpoint(config.run_dir))["rollout_id"] == 3
+    starts = json.loads((Path(config.run_dir) / "run.json").read_text())["starts"]
+    assert [s["rollout_id"] for s in starts] == [0, 2]
+
+
+def test_train_twice_on_one_rollout_steps_once(ray_session, small_config):
+    with RLRun(small_config(num_rollout=1)) as run:
+        run.generate(0)
+        table = run.get(0)
+        before = ray.get(run.trainer.weights.remote())
+        first = run.train(0, table)
+        after_first = ray.get(run.trainer.weights.remote())
+        second = run.train(0, table)
+        after_second = ray.get(run.trainer.weights.remote())
+    assert any(not torch.equal(before[k], after_first[k]) for k in before)
+    assert all(torch.equal(after_first[k], after_second[k]) for k in before)
+    assert second == first
