@@ -1,0 +1,38 @@
+"""The rl-sync flow end to end on the tiny model, read back from the Prefect API."""
+
+import asyncio
+import json
+from pathlib import Path
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
+
+from flows.sync_rl import sync_rl
+
+
+async def _history(flow_run_id):
+    async with get_client() as client:
+        task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+        artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+        flow_run = await client.read_flow_run(flow_run_id)
+    return flow_run, task_runs, artifacts
+
+
+def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_config):
+    config = small_config(num_rollout=2)
+    state = sync_rl(config, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert summary["rollouts_trained"] == 2 and summary["task_runs"] == 9
+
+    flow_run, task_runs, artifacts = asyncio.run(_history(state.state_details.flow_run_id))
+    assert flow_run.flow_id is not None and flow_run.state.is_completed()
+    names = {r.name: r for r in task_runs}
+    expected = [f"{task}[rollout={i}]" for i in (0, 1) for task in ("generate", "get", "train_step", "sync_weights")]
+    assert set(expected) | {"save_checkpoint[rollout=1]"} == set(names)
+    assert all(r.state.is_completed() for r in task_runs)
+    assert "gpu" in names["generate[rollout=0]"].tags
+    assert {a.type for a in artifacts} >= {"progress", "table"}
+    table = next(a for a in artifacts if a.type == "table")
+    assert [row["rollout_id"] for row in json.loads(table.data)] == [0, 1]
+    assert [json.loads(line)["rollout_id"] for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()] == [0, 1]

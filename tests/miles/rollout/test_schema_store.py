@@ -1,0 +1,148 @@
+"""miles.rollout.schema and miles.rollout.store: the rollout table on disk."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pytest
+
+from miles.rollout import store as store_module
+from miles.rollout.schema import (
+    ROLLOUT_SCHEMA,
+    SCHEMA_VERSION,
+    check_schema,
+    rollout_metadata,
+    with_rollout_metadata,
+)
+from miles.rollout.store import RolloutStore
+
+
+def rollout_table(n: int = 3, rollout_id: int = 5) -> pa.Table:
+    columns = {
+        "rollout_id": [rollout_id] * n,
+        "sample_index": list(range(n)),
+        "group_index": [i // 2 for i in range(n)],
+        "adapter": ["default"] * n,
+        "prompt_ids": [[1] + [3 + i] * (i + 1) for i in range(n)],
+        "response_ids": [[4] * (n - i) + [2] for i in range(n)],
+        "response_length": [n - i + 1 for i in range(n)],
+        "rollout_logprobs": [[-0.5] * (n - i + 1) for i in range(n)],
+        "loss_mask": [[1] * (n - i + 1) for i in range(n)],
+        "raw_reward": [float(i % 2) for i in range(n)],
+        "advantage": [0.25 * i for i in range(n)],
+        "status": [("completed", "truncated")[i % 2] for i in range(n)],
+        "weight_version": [rollout_id] * n,
+        "label": [str(i) for i in range(n)],
+    }
+    return pa.table(columns, schema=ROLLOUT_SCHEMA)
+
+
+def test_metadata_helpers():
+    table = with_rollout_metadata(rollout_table(), rollout_id=5, engine="torch")
+    meta = rollout_metadata(table)
+    assert meta["schema_version"] == SCHEMA_VERSION
+    assert meta["rollout_id"] == "5"
+    assert meta["engine"] == "torch"
+
+
+def test_round_trip(tmp_path):
+    store = RolloutStore(tmp_path)
+    table = with_rollout_metadata(rollout_table(), rollout_id=5, weight_version=7)
+    assert not store.exists(5)
+    path = store.write(5, table)
+    assert path == tmp_path / "rollouts" / "rollout_5.arrow"
+    assert store.path(5) == path and path.is_file()
+    assert store.exists(5) and not store.exists(6)
+    read = store.read(5)
+    assert read.equals(table)
+    assert read.schema.equals(table.schema, check_metadata=True)
+    assert read.to_pylist() == table.to_pylist()
+    meta = rollout_metadata(read)
+    assert meta == {"schema_version": SCHEMA_VERSION, "rollout_id": "5", "weight_version": "7"}
+
+
+def test_overwrite_replaces(tmp_path):
+    store = RolloutStore(tmp_path)
+    store.write(1, rollout_table(3))
+    store.write(1, rollout_table(4))
+    assert store.read(1).num_rows == 4
+
+
+def test_missing_column_rejected_with_its_name(tmp_path):
+    store = RolloutStore(tmp_path)
+    table = rollout_table().drop_columns(["advantage"])
+    with pytest.raises(ValueError, match="advantage") as info:
+        store.write(2, table)
+    assert "rollout 2" in str(info.value)
+    assert list(store.root.iterdir()) == []
+
+
+def test_wrong_type_rejected():
+    table = rollout_table()
+    index = table.schema.get_field_index("raw_reward")
+    bad = table.set_column(index, pa.field("raw_reward", pa.float64(), nullable=False), table.column("raw_reward").cast(pa.float64()))
+    with pytest.raises(ValueError, match="not a rollout table"):
+        check_schema(bad, "somewhere")
+
+
+def test_read_checks_schema(tmp_path):
+    store = RolloutStore(tmp_path)
+    table = rollout_table().drop_columns(["label"])
+    with pa.OSFile(str(store.path(9)), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(ValueError, match="label") as info:
+        store.read(9)
+    assert str(store.path(9)) in str(info.value)
+
+
+def test_write_leaves_no_temp_files(tmp_path):
+    store = RolloutStore(tmp_path)
+    store.write(0, rollout_table())
+    store.write(1, rollout_table())
+    assert sorted(p.name for p in store.root.iterdir()) == ["rollout_0.arrow", "rollout_1.arrow"]
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    store = RolloutStore(tmp_path)
+
+    def broken_replace(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(store_module.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk gone"):
+        store.write(3, rollout_table())
+    assert not store.exists(3)
+    assert list(store.root.iterdir()) == []
+
+
+def test_failed_rewrite_keeps_the_old_file(tmp_path, monkeypatch):
+    store = RolloutStore(tmp_path)
+    store.write(3, rollout_table(3))
+
+    def broken_write_table(self, table, *args, **kwargs):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(pa.ipc.RecordBatchFileWriter, "write_table", broken_write_table)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        store.write(3, rollout_table(4))
+    monkeypatch.undo()
+    assert [p.name for p in store.root.iterdir()] == ["rollout_3.arrow"]
+    assert store.read(3).num_rows == 3
+
+
+def test_whole_file_is_synced_before_rename(tmp_path, monkeypatch):
+    """The bytes on disk at fsync time must be the complete IPC file (footer included),
+    otherwise a crash after the rename can leave a truncated, unreadable rollout."""
+    store = RolloutStore(tmp_path)
+    synced_sizes = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced_sizes.append(os.fstat(fd).st_size)
+        real_fsync(fd)
+
+    monkeypatch.setattr(store_module.os, "fsync", recording_fsync)
+    path = store.write(4, rollout_table())
+    assert synced_sizes, "write never calls fsync"
+    assert synced_sizes[-1] == path.stat().st_size

@@ -1,0 +1,139 @@
+"""miles.train.batch.batch_from_table: rollout table -> right-padded training tensors."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+import torch
+
+from miles.rollout.schema import ROLLOUT_SCHEMA
+from miles.train.batch import TrainBatch, batch_from_table
+
+PAD = 13
+
+# Three samples with different prompt and response lengths (the widest is 6 tokens).
+SAMPLES = [
+    dict(prompt=[1, 5, 6], response=[7, 8], logprobs=[-0.1, -0.2], loss_mask=[1, 1], advantage=0.5),
+    dict(prompt=[1, 4], response=[9, 10, 11, 2], logprobs=[-0.3, -0.4, -0.5, -0.6], loss_mask=[1, 0, 1, 1], advantage=-1.0),
+    dict(prompt=[1, 3, 4, 5, 6], response=[12], logprobs=[-0.7], loss_mask=[0], advantage=2.0),
+]
+
+# Written out by hand from SAMPLES: prompt then response, right padded to width 6.
+TOKENS = [[1, 5, 6, 7, 8, PAD], [1, 4, 9, 10, 11, 2], [1, 3, 4, 5, 6, 12]]
+ATTENTION = [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
+RESPONSE_MASK = [[0, 0, 0, 1, 1, 0], [0, 0, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0]]
+LOGPROBS = [[0, 0, 0, -0.1, -0.2, 0], [0, 0, -0.3, -0.4, -0.5, -0.6], [0, 0, 0, 0, 0, -0.7]]
+ADVANTAGES = [0.5, -1.0, 2.0]
+
+
+def rollout_table(samples) -> pa.Table:
+    n = len(samples)
+    columns = {
+        "rollout_id": [3] * n,
+        "sample_index": list(range(n)),
+        "group_index": [i // 2 for i in range(n)],
+        "adapter": ["default"] * n,
+        "prompt_ids": [s["prompt"] for s in samples],
+        "response_ids": [s["response"] for s in samples],
+        "response_length": [len(s["response"]) for s in samples],
+        "rollout_logprobs": [s["logprobs"] for s in samples],
+        "loss_mask": [s["loss_mask"] for s in samples],
+        "raw_reward": [1.0] * n,
+        "advantage": [s["advantage"] for s in samples],
+        "status": ["completed"] * n,
+        "weight_version": [0] * n,
+        "label": ["x"] * n,
+    }
+    return pa.table(columns, schema=ROLLOUT_SCHEMA)
+
+
+def reference(samples, pad):
+    """A plain loop over rows, independent of the vectorised scatter."""
+    width = max(len(s["prompt"]) + len(s["response"]) for s in samples)
+    tokens, attention, mask, logprobs = [], [], [], []
+    for s in samples:
+        p, r = len(s["prompt"]), len(s["response"])
+        fill = width - p - r
+        tokens.append(s["prompt"] + s["response"] + [pad] * fill)
+        attention.append([1] * (p + r) + [0] * fill)
+        mask.append([False] * p + [bool(m) for m in s["loss_mask"]] + [False] * fill)
+        logprobs.append([0.0] * p + list(s["logprobs"]) + [0.0] * fill)
+    return tokens, attention, mask, logprobs
+
+
+def check(batch: TrainBatch, tokens, attention, response_mask, logprobs, advantages):
+    assert batch.tokens.dtype == torch.int64
+    assert batch.attention_mask.dtype == torch.int64
+    assert batch.response_mask.dtype == torch.bool
+    assert batch.rollout_logprobs.dtype == torch.float32
+    assert batch.advantages.dtype == torch.float32
+    assert batch.tokens.tolist() == tokens
+    assert batch.attention_mask.tolist() == attention
+    assert batch.response_mask.tolist() == [[bool(x) for x in row] for row in response_mask]
+    torch.testing.assert_close(batch.rollout_logprobs, torch.tensor(logprobs, dtype=torch.float32))
+    torch.testing.assert_close(batch.advantages, torch.tensor(advantages, dtype=torch.float32))
+    assert len(batch) == len(tokens)
+
+
+def test_hand_written_expectation():
+    batch = batch_from_table(rollout_table(SAMPLES), pad_token_id=PAD)
+    check(batch, TOKENS, ATTENTION, RESPONSE_MASK, LOGPROBS, ADVANTAGES)
+
+
+def test_matches_reference_loop():
+    batch = batch_from_table(rollout_table(SAMPLES), pad_token_id=PAD)
+    tokens, attention, mask, logprobs = reference(SAMPLES, PAD)
+    check(batch, tokens, attention, mask, logprobs, ADVANTAGES)
+
+
+@pytest.mark.parametrize("start,length", [(1, 2), (0, 1), (2, 1), (0, 2), (1, 1)])
+def test_sliced_table(start, length):
+    table = rollout_table(SAMPLES).slice(start, length)
+    chosen = SAMPLES[start : start + length]
+    batch = batch_from_table(table, pad_token_id=PAD)
+    tokens, attention, mask, logprobs = reference(chosen, PAD)
+    check(batch, tokens, attention, mask, logprobs, [s["advantage"] for s in chosen])
+
+
+def test_slice_1_2_by_hand():
+    batch = batch_from_table(rollout_table(SAMPLES).slice(1, 2), pad_token_id=PAD)
+    check(batch, TOKENS[1:], ATTENTION[1:], RESPONSE_MASK[1:], LOGPROBS[1:], ADVANTAGES[1:])
+
+
+def test_multi_chunk_table():
+    whole = rollout_table(SAMPLES)
+    table = pa.concat_tables([whole.slice(2, 1), whole.slice(0, 2)])
+    assert table.column("prompt_ids").num_chunks == 2
+    order = [SAMPLES[2], SAMPLES[0], SAMPLES[1]]
+    batch = batch_from_table(table, pad_token_id=PAD)
+    tokens, attention, mask, logprobs = reference(order, PAD)
+    check(batch, tokens, attention, mask, logprobs, [s["advantage"] for s in order])
+
+
+def test_response_token_equal_to_pad_is_attended():
+    samples = [
+        dict(prompt=[1, 4], response=[0, 5], logprobs=[-1.0, -2.0], loss_mask=[1, 1], advantage=1.0),
+        dict(prompt=[1, 4, 4, 4], response=[6], logprobs=[-3.0], loss_mask=[1], advantage=0.0),
+    ]
+    batch = batch_from_table(rollout_table(samples), pad_token_id=0)
+    tokens, attention, mask, logprobs = reference(samples, 0)
+    assert tokens[0] == [1, 4, 0, 5, 0]
+    assert attention[0] == [1, 1, 1, 1, 0]
+    check(batch, tokens, attention, mask, logprobs, [1.0, 0.0])
+
+
+def test_empty_response():
+    samples = [
+        dict(prompt=[1, 7, 8], response=[], logprobs=[], loss_mask=[], advantage=0.0),
+        dict(prompt=[1, 4], response=[9, 2], logprobs=[-0.5, -0.25], loss_mask=[1, 1], advantage=1.0),
+    ]
+    batch = batch_from_table(rollout_table(samples), pad_token_id=PAD)
+    tokens, attention, mask, logprobs = reference(samples, PAD)
+    check(batch, tokens, attention, mask, logprobs, [0.0, 1.0])
+    assert not batch.response_mask[0].any()
+
+
+def test_rows_slices_every_field():
+    batch = batch_from_table(rollout_table(SAMPLES), pad_token_id=PAD)
+    part = batch.rows(slice(1, 3))
+    check(part, TOKENS[1:], ATTENTION[1:], RESPONSE_MASK[1:], LOGPROBS[1:], ADVANTAGES[1:])

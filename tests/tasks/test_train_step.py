@@ -1,0 +1,48 @@
+"""train_step under Prefect retries: a retry of a trained rollout returns its metrics and does not step."""
+
+import asyncio
+
+import ray
+import torch
+from prefect import flow
+from prefect.client.orchestration import get_client
+
+from miles.run import RLRun
+from tasks import generate, get, train_step
+
+
+def test_retried_train_step_does_not_step_again(ray_session, prefect_api, small_config, monkeypatch):
+    weights_after_first_attempt = {}
+    real_train = RLRun.train
+
+    def train_then_fail_once(self, rollout_id, table):
+        metrics = real_train(self, rollout_id, table)
+        if not weights_after_first_attempt:
+            weights_after_first_attempt.update(ray.get(self.trainer.weights.remote()))
+            raise ConnectionError("lost the trainer's reply")  # the step happened, the task still fails
+        return metrics
+
+    monkeypatch.setattr(RLRun, "train", train_then_fail_once)
+
+    @flow
+    def one_iteration(run: RLRun) -> dict:
+        generate(run, 0)
+        return train_step(run, 0, get(run, 0))
+
+    with RLRun(small_config(num_rollout=1)) as run:
+        state = one_iteration(run, return_state=True)
+        final_weights = ray.get(run.trainer.weights.remote())
+        trained = ray.get(run.trainer.trained_rollouts.remote())
+
+    assert state.is_completed()
+    assert trained == [0]
+    assert all(torch.equal(final_weights[k], weights_after_first_attempt[k]) for k in final_weights)
+
+    async def train_step_run():
+        async with get_client() as client:
+            runs = await client.read_task_runs()
+            flow_run_id = state.state_details.flow_run_id
+            return next(r for r in runs if r.flow_run_id == flow_run_id and r.name == "train_step[rollout=0]")
+
+    task_run = asyncio.run(train_step_run())
+    assert task_run.run_count == 2 and task_run.state.is_completed()
