@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = state.result()
     print(f"done: {summary['rollouts_trained']} rollouts trained in {summary['run_dir']}; "
           f"final reward {summary['final_reward_mean']}")
+    if "greedy_accuracy_final" in summary:
+        print(f"greedy accuracy on 200 held-out prompts: {summary['greedy_accuracy_initial']:.3f} (starting model) "
+              f"-> {summary['greedy_accuracy_final']:.3f} (final checkpoint)")
     return 0
 
 

@@ -6,6 +6,7 @@
         train_step(rollout_id, table)        # PPO-clip optimizer steps, recorded in the ledger
         sync_weights(rollout_id)             # engines get weights version rollout_id + 1
         save_checkpoint(rollout_id)          # every save_interval and at the end
+    evaluate(last rollout_id)                # greedy accuracy, starting model vs final checkpoint
 
 A run directory that already holds checkpoints resumes after the latest one.
 """
@@ -18,10 +19,22 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from flows.runtime import wait_for_task_history
 from miles.config import RunConfig
 from miles.run import RLRun
-from tasks import generate, get, save_checkpoint, sync_weights, train_step
+from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_step
 
 TABLE_COLUMNS = ("rollout_id", "reward_mean", "response_length_mean", "loss", "grad_norm", "clip_fraction", "entropy",
                  "time_generate", "time_get", "time_train", "time_sync")
+
+
+def sync_iteration(run: RLRun, rollout_id: int) -> int:
+    """One rollout through the task chain; returns the number of task runs it made."""
+    generate(run, rollout_id)
+    table = get(run, rollout_id)
+    train_step(run, rollout_id, table)
+    sync_weights(run, rollout_id)
+    if run.should_save(rollout_id):
+        save_checkpoint(run, rollout_id)
+        return 5
+    return 4
 
 
 @flow(name="rl-sync")
@@ -34,18 +47,18 @@ def sync_rl(config: RunConfig) -> dict:
         progress = create_progress_artifact(
             progress=100.0 * run.start_rollout_id / total, key="rl-sync-progress", description=f"rollouts of {config.run_dir}"
         )
+        shown = 0
         for rollout_id in run.rollout_ids():
-            generate(run, rollout_id)
-            table = get(run, rollout_id)
-            train_step(run, rollout_id, table)
-            sync_weights(run, rollout_id)
-            task_runs += 4
-            if run.should_save(rollout_id):
-                save_checkpoint(run, rollout_id)
-                task_runs += 1
+            task_runs += sync_iteration(run, rollout_id)
             records.append(run.finish_iteration(rollout_id))
-            update_progress_artifact(artifact_id=progress, progress=100.0 * (rollout_id + 1) / total)
+            percent = int(100 * (rollout_id + 1) / total)
+            if percent > shown:  # one update per whole percent keeps API writes off the hot path
+                update_progress_artifact(artifact_id=progress, progress=float(percent))
+                shown = percent
+        evaluation = {}
         if records:
+            evaluation = evaluate(run, records[-1]["rollout_id"])
+            task_runs += 1
             create_table_artifact(
                 key="rl-sync-metrics",
                 table=[{k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in TABLE_COLUMNS} for r in records],
@@ -60,6 +73,7 @@ def sync_rl(config: RunConfig) -> dict:
         "next_rollout_id": config.num_rollout if records else run.start_rollout_id,
         "final_reward_mean": records[-1]["reward_mean"] if records else None,
         "task_runs": task_runs,
+        **evaluation,
     }
 
 

@@ -8,15 +8,19 @@ from miles.config import RunConfig
 from miles.run import RLRun
 
 
+def sync_iteration(run: RLRun, rollout_id: int) -> None:
+    run.generate(rollout_id)
+    table = run.get(rollout_id)
+    run.train(rollout_id, table)
+    run.sync_weights(rollout_id)
+    if run.should_save(rollout_id):
+        run.save_checkpoint(rollout_id)
+
+
 def run_sync(config: RunConfig) -> list[dict[str, Any]]:
-    records = []
     with RLRun(config) as run:
+        records = []
         for rollout_id in run.rollout_ids():
-            run.generate(rollout_id)
-            table = run.get(rollout_id)
-            run.train(rollout_id, table)
-            run.sync_weights(rollout_id)
-            if run.should_save(rollout_id):
-                run.save_checkpoint(rollout_id)
+            sync_iteration(run, rollout_id)
             records.append(run.finish_iteration(rollout_id))
-    return records
+        return records

@@ -17,10 +17,11 @@ import pyarrow as pa
 import ray
 from transformers import AutoTokenizer
 
-from miles.checkpoint import MODEL_DIR, Ledger, latest_checkpoint, read_state, write_json_atomic
+from miles.checkpoint import MODEL_DIR, Ledger, checkpoint_dir, latest_checkpoint, read_state, write_json_atomic
 from miles.cluster import actor_options, ensure_ray
 from miles.config import ConfigError, RunConfig
 from miles.data import DataSource, load_rows
+from miles.evaluate import evaluate_checkpoint
 from miles.models import ensure_embedded_model
 from miles.progress import IterationReporter
 from miles.rewards import RewardFn, resolve_reward
@@ -156,6 +157,16 @@ class RLRun:
     def save_checkpoint(self, rollout_id: int) -> str:
         state = {"weight_version": rollout_id + 1, "data": self.data_source.state_dict(), "seed": self.config.seed}
         return ray.get(self.trainer.save_checkpoint.remote(rollout_id, state))
+
+    def evaluate(self, rollout_id: int, prompts: int = 200) -> dict[str, float]:
+        """Greedy accuracy (plain transformers) of the starting model and of checkpoint `rollout_id`."""
+        if self.config.data.task is None:
+            return {}
+        checkpoint = checkpoint_dir(self.run_dir, rollout_id) / MODEL_DIR
+        return {
+            "greedy_accuracy_initial": evaluate_checkpoint(self.initial_model, self.config.data.task, prompts),
+            "greedy_accuracy_final": evaluate_checkpoint(checkpoint, self.config.data.task, prompts),
+        }
 
     def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
         """Append the iteration's record to metrics.jsonl (once per rollout_id) and report progress."""

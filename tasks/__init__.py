@@ -1,9 +1,10 @@
 """Prefect tasks: each is retries + tags + a readable run name around one call into `miles`."""
 
 from tasks.checkpoint import save_checkpoint
+from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.get import get
 from tasks.train import train_step
 from tasks.weights import sync_weights
 
-__all__ = ["generate", "get", "train_step", "sync_weights", "save_checkpoint"]
+__all__ = ["generate", "get", "train_step", "sync_weights", "save_checkpoint", "evaluate"]

@@ -48,7 +48,7 @@ class RolloutExecutor:
         """Produce rollout `rollout_id` unless its file exists (a retry or a resumed run reuses it)."""
         if self.store.exists(rollout_id):
             table = self.store.read(rollout_id)
-            self.data_source.load_state_dict({"position": int(rollout_metadata(table)["data_position_end"]), "seed": self.data_source.seed})
+            self.data_source.position = int(rollout_metadata(table)["data_position_end"])
             return summarize(table)
         cfg = self.config.rollout
         rows = self.data_source.peek(cfg.rollout_batch_size)

@@ -23,13 +23,14 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
     state = sync_rl(config, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    assert summary["rollouts_trained"] == 2 and summary["task_runs"] == 9
+    assert summary["rollouts_trained"] == 2 and summary["task_runs"] == 10
+    assert 0.0 <= summary["greedy_accuracy_initial"] <= 1.0 and 0.0 <= summary["greedy_accuracy_final"] <= 1.0
 
     flow_run, task_runs, artifacts = asyncio.run(_history(state.state_details.flow_run_id))
     assert flow_run.flow_id is not None and flow_run.state.is_completed()
     names = {r.name: r for r in task_runs}
     expected = [f"{task}[rollout={i}]" for i in (0, 1) for task in ("generate", "get", "train_step", "sync_weights")]
-    assert set(expected) | {"save_checkpoint[rollout=1]"} == set(names)
+    assert set(expected) | {"save_checkpoint[rollout=1]", "evaluate[rollout=1]"} == set(names)
     assert all(r.state.is_completed() for r in task_runs)
     assert "gpu" in names["generate[rollout=0]"].tags
     assert {a.type for a in artifacts} >= {"progress", "table"}

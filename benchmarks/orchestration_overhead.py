@@ -1,0 +1,76 @@
+"""Orchestration overhead: a Prefect-flow iteration vs a plain-loop iteration over the same actors and work.
+
+Both drive one RLRun (the same engine and trainer actors) at the default config: the plain loop calls
+`miles.loop.sync_iteration`, the flow calls `flows.sync_rl.sync_iteration` (the same calls wrapped in tasks).
+Blocks alternate (plain, flow, plain, flow, ...) so that drift in the work hits both sides. The flow side runs
+against Prefect's ephemeral API in this process's machine, so the server's CPU per task run competes with the
+work, as it does for a user; its time includes flow start and the wait for the task history.
+
+Last line: `overhead_ratio <flow seconds per iteration / plain seconds per iteration>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from flows.runtime import configure_prefect
+
+configure_prefect()
+
+from prefect import flow  # noqa: E402
+
+from flows.runtime import wait_for_task_history  # noqa: E402
+from flows.sync_rl import sync_iteration as flow_iteration  # noqa: E402
+from miles.config import load_config  # noqa: E402
+from miles.loop import sync_iteration as plain_iteration  # noqa: E402
+from miles.run import RLRun  # noqa: E402
+
+
+@flow(name="overhead-probe")
+def probe(run: RLRun, rollout_ids: list[int]) -> int:
+    task_runs = sum(flow_iteration(run, i) for i in rollout_ids)
+    wait_for_task_history(task_runs)
+    return task_runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=20, help="iterations per block")
+    parser.add_argument("--rounds", type=int, default=2, help="plain+flow block pairs")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=value")
+    args = parser.parse_args()
+
+    per_block = args.iterations
+    total = per_block * (2 * args.rounds + 1)
+    config = load_config(None, args.overrides, run_dir=tempfile.mkdtemp(prefix="overhead-"), num_rollout=total + 1)
+    config.save_interval = total + 1  # no checkpoint inside the measured blocks
+    with RLRun(config) as run:
+        ids = iter(run.rollout_ids())
+        plain_iteration(run, next(ids))  # warm the actors
+        probe(run, [next(ids) for _ in range(per_block - 1)])  # warm the ephemeral API
+        plain_times, flow_times, task_runs = [], [], 0
+        for _ in range(args.rounds):
+            block = [next(ids) for _ in range(per_block)]
+            started = time.perf_counter()
+            for rollout_id in block:
+                plain_iteration(run, rollout_id)
+            plain_times.append((time.perf_counter() - started) / per_block)
+            block = [next(ids) for _ in range(per_block)]
+            started = time.perf_counter()
+            task_runs += probe(run, block)
+            flow_times.append((time.perf_counter() - started) / per_block)
+
+    plain, flowed = statistics.mean(plain_times), statistics.mean(flow_times)
+    per_task_ms = 1000 * (flowed - plain) * per_block * args.rounds / task_runs
+    print(f"iterations per block      {per_block} x {args.rounds} rounds")
+    print(f"plain loop  s/iteration   {plain:.4f}  (blocks: {', '.join(f'{t:.4f}' for t in plain_times)})")
+    print(f"prefect flow s/iteration  {flowed:.4f}  (blocks: {', '.join(f'{t:.4f}' for t in flow_times)})")
+    print(f"per-task overhead ms      {per_task_ms:.1f}")
+    print(f"overhead_ratio {flowed / plain:.3f}")
+
+
+if __name__ == "__main__":
+    main()
