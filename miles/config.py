@@ -14,7 +14,7 @@ class _Section(BaseModel):
 
 
 class TinyModelConfig(_Section):
-    """Shape of the embedded Qwen2 model built when `model.path` is not set."""
+    """Shape of the embedded Llama model built when `model.path` is not set."""
 
     hidden_size: int = Field(128, gt=0)
     num_layers: int = Field(2, gt=0)

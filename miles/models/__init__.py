@@ -1,4 +1,4 @@
-"""The embedded default model: a tiny Qwen2 and a character tokenizer, in Hugging Face format."""
+"""The embedded default model: a tiny Llama and a character tokenizer, in Hugging Face format."""
 
 from miles.models.tiny import build_tokenizer, build_tiny_model, ensure_embedded_model
 

@@ -1,4 +1,4 @@
-"""Build the tiny model and tokenizer, warm them up with SFT, and cache the result on disk.
+"""Build the tiny model (Llama architecture) and tokenizer, warm them up with SFT, and cache the result on disk.
 
 The cache key hashes everything that shapes the weights (model shape, warm-up settings, task, seed), so a
 second run reuses the directory and a changed setting builds a new one.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from miles.config import ModelConfig
 
@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARACTERS = "0123456789+-="
-# v2 in the key: bump when the build or warm-up code changes what it produces.
-_BUILD_VERSION = "tiny-v1"
+# Part of the cache key: bump when the build or warm-up code changes what it produces.
+_BUILD_VERSION = "tiny-llama-v1"
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -43,10 +43,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(config: ModelConfig, vocab_size: int, seed: int) -> Qwen2ForCausalLM:
+def build_tiny_model(config: ModelConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
     shape = config.tiny
     torch.manual_seed(seed)
-    hf_config = Qwen2Config(
+    hf_config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_layers,
@@ -60,7 +60,7 @@ def build_tiny_model(config: ModelConfig, vocab_size: int, seed: int) -> Qwen2Fo
         pad_token_id=0,
         torch_dtype="float32",
     )
-    return Qwen2ForCausalLM(hf_config)
+    return LlamaForCausalLM(hf_config)
 
 
 def _cache_key(config: ModelConfig, task: str, seed: int) -> str:

@@ -27,8 +27,10 @@ class RolloutStore:
         target = self.path(rollout_id)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=self.root)
         try:
-            with os.fdopen(fd, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-                writer.write_table(table)
+            with os.fdopen(fd, "wb") as sink:
+                with pa.ipc.new_file(sink, table.schema) as writer:
+                    writer.write_table(table)
+                # The footer is written when the writer closes: sync after it, or a crash leaves a cut file.
                 sink.flush()
                 os.fsync(sink.fileno())
             os.replace(tmp, target)

@@ -1,4 +1,4 @@
-"""miles.models.tiny: the character tokenizer and the embedded Qwen2 model directory."""
+"""miles.models.tiny: the character tokenizer and the embedded Llama model directory."""
 
 from __future__ import annotations
 
@@ -71,13 +71,15 @@ def test_save_and_load_with_auto_tokenizer(tok, tmp_path):
     assert loaded(texts, padding=True)["input_ids"][1][0] == loaded.pad_token_id
 
 
-def test_tokenizer_saved_next_to_a_qwen2_config_loads_back_unchanged(tok, tmp_path):
-    """A model dir holds config.json (model_type qwen2) next to the tokenizer files; AutoTokenizer
-    must give back the same vocabulary, so that every id it can produce has an embedding row."""
-    from transformers import AutoTokenizer, Qwen2Config
+def test_tokenizer_saved_next_to_the_model_config_loads_back_unchanged(tok, tmp_path):
+    """A model dir holds config.json next to the tokenizer files; AutoTokenizer must give back the same
+    vocabulary (not the architecture's registered tokenizer), so every id it can produce has an embedding row."""
+    from transformers import AutoTokenizer
 
-    Qwen2Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    from miles.config import ModelConfig
+    from miles.models.tiny import build_tiny_model
+
+    build_tiny_model(ModelConfig(), len(tok), seed=0).config.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded("12+34=")["input_ids"] == tok("12+34=")["input_ids"]
@@ -93,9 +95,9 @@ def test_tiny_model_dir(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert type(model).__name__ == "Qwen2ForCausalLM"
-    assert model.config.model_type == "qwen2"
-    assert model.config.architectures == ["Qwen2ForCausalLM"]
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.model_type == "llama"
+    assert model.config.architectures == ["LlamaForCausalLM"]
     n_params = sum(p.numel() for p in model.parameters())
     assert 1e5 <= n_params <= 5e6
     reference = build_tokenizer()
