@@ -78,7 +78,7 @@ class AlgoConfig(_Section):
 
 
 class TrainConfig(_Section):
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.98)
     grad_clip: float = Field(1.0, gt=0)
@@ -91,7 +91,7 @@ class TrainConfig(_Section):
 class RunConfig(_Section):
     run_dir: str = "runs/tiny"
     seed: int = 0
-    num_rollout: int = Field(150, gt=0, description="total rollouts of the run (a resumed run goes on to this)")
+    num_rollout: int = Field(300, gt=0, description="total rollouts of the run (a resumed run goes on to this)")
     save_interval: int = Field(50, gt=0, description="checkpoint every N rollouts (and at the end)")
     ray_address: str | None = Field(None, description="existing Ray cluster; unset starts a local one")
     model: ModelConfig = ModelConfig()

@@ -7,7 +7,6 @@ from miles.run import RLRun
 @task(
     name="save_checkpoint",
     task_run_name="save_checkpoint[rollout={rollout_id}]",
-    tags=["checkpoint"],
     retries=2,
     retry_delay_seconds=1,
     cache_policy=NO_CACHE,

@@ -4,7 +4,7 @@ from prefect.cache_policies import NO_CACHE
 from miles.run import RLRun
 
 
-@task(name="evaluate", task_run_name="evaluate[rollout={rollout_id}]", tags=["eval"], retries=1, cache_policy=NO_CACHE)
+@task(name="evaluate", task_run_name="evaluate[rollout={rollout_id}]", retries=1, cache_policy=NO_CACHE)
 def evaluate(run: RLRun, rollout_id: int) -> dict:
     """Greedy accuracy of the starting model and of checkpoint `rollout_id` on the same held-out prompts."""
     return run.evaluate(rollout_id)

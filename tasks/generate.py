@@ -7,7 +7,7 @@ from miles.run import RLRun
 @task(
     name="generate",
     task_run_name="generate[rollout={rollout_id}]",
-    tags=["gpu", "rollout"],
+    tags=["gpu"],
     retries=2,
     retry_delay_seconds=1,
     cache_policy=NO_CACHE,

@@ -9,7 +9,6 @@ from tasks.serializers import ArrowIPCSerializer
 @task(
     name="get",
     task_run_name="get[rollout={rollout_id}]",
-    tags=["rollout"],
     retries=1,
     cache_policy=NO_CACHE,
     # The rollout's Arrow file in the run dir is the durable copy; a persisted result is never pickled.

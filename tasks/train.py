@@ -8,7 +8,6 @@ from miles.run import RLRun
 @task(
     name="train_step",
     task_run_name="train_step[rollout={rollout_id}]",
-    tags=["train"],
     retries=2,
     retry_delay_seconds=1,
     cache_policy=NO_CACHE,

@@ -7,7 +7,6 @@ from miles.run import RLRun
 @task(
     name="sync_weights",
     task_run_name="sync_weights[rollout={rollout_id}]",
-    tags=["gpu", "weights"],
     retries=2,
     retry_delay_seconds=1,
     cache_policy=NO_CACHE,
