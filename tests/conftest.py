@@ -62,6 +62,8 @@ def small_config(tmp_path, tiny_model_dir):
             "train.micro_batch_size=8",
             "train.num_threads=1",
             "train.lr=1e-3",
+            # Partial credit, so that the barely warmed-up model's groups have reward variance to learn from.
+            "data.reward=digit_match",
         ]
         fields.setdefault("run_dir", str(tmp_path / "run"))
         fields.setdefault("num_rollout", 2)

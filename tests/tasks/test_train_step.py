@@ -30,12 +30,14 @@ def test_retried_train_step_does_not_step_again(ray_session, prefect_api, small_
         return train_step(run, 0, get(run, 0))
 
     with RLRun(small_config(num_rollout=1)) as run:
+        initial_weights = ray.get(run.trainer.weights.remote())
         state = one_iteration(run, return_state=True)
         final_weights = ray.get(run.trainer.weights.remote())
         trained = ray.get(run.trainer.trained_rollouts.remote())
 
     assert state.is_completed()
     assert trained == [0]
+    assert any(not torch.equal(initial_weights[k], weights_after_first_attempt[k]) for k in initial_weights)
     assert all(torch.equal(final_weights[k], weights_after_first_attempt[k]) for k in final_weights)
 
     async def train_step_run():
