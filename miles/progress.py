@@ -1,4 +1,4 @@
-"""Per-iteration progress: a rich bar and one line per rollout on a terminal, log lines elsewhere."""
+"""Progress of long work: a rich bar on a terminal, plain lines elsewhere (logs, CI, Prefect workers)."""
 
 from __future__ import annotations
 
@@ -16,26 +16,46 @@ def format_record(record: dict, total: int) -> str:
     )
 
 
-class IterationReporter:
-    def __init__(self, total: int, done: int):
-        self.total = total
+class ProgressLine:
+    """A bar of `total` steps with a status text; `note` prints a line above it (or alone, off a terminal).
+
+    Off a terminal, `echo_updates` prints each update's status as a line of its own.
+    """
+
+    def __init__(self, label: str, total: int, done: int = 0, echo_updates: bool = True):
+        self.label = label
+        self.echo_updates = echo_updates
         self.progress = None
         if sys.stdout.isatty():
             self.progress = Progress(
-                TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-                TextColumn("{task.description}"), console=Console(), transient=False,
+                TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TimeRemainingColumn(), TextColumn("{task.description}"), console=Console(),
             )
             self.task = self.progress.add_task("", total=total, completed=done)
             self.progress.start()
 
-    def update(self, record: dict) -> None:
-        line = format_record(record, self.total)
+    def update(self, completed: int, status: str = "") -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=completed, description=status)
+        elif self.echo_updates and status:
+            print(f"{self.label} {status}", flush=True)
+
+    def note(self, line: str) -> None:
         if self.progress is None:
             print(line, flush=True)
-            return
-        self.progress.console.print(line)
-        self.progress.update(self.task, completed=record["rollout_id"] + 1, description=f"reward {record['reward_mean']:.3f}")
+        else:
+            self.progress.console.print(line)
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+class IterationReporter(ProgressLine):
+    def __init__(self, total: int, done: int):
+        super().__init__("RL", total, done, echo_updates=False)
+        self.total = total
+
+    def update_record(self, record: dict) -> None:
+        self.note(format_record(record, self.total))
+        self.update(record["rollout_id"] + 1, f"reward {record['reward_mean']:.3f}")

@@ -183,7 +183,7 @@ class RLRun:
         if rollout_id not in recorded:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        self.reporter.update(record)
+        self.reporter.update_record(record)
         return record
 
     def close(self) -> None:

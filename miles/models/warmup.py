@@ -10,6 +10,7 @@ import torch
 from miles.config import WarmupConfig
 from miles.envs import task_rows
 from miles.evaluate import eval_rows, greedy_accuracy
+from miles.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ def warm_up(model, tokenizer, task: str, config: WarmupConfig, seed: int) -> dic
     generator = torch.Generator().manual_seed(seed)
     started = time.perf_counter()
     accuracy, step = greedy_accuracy(model, tokenizer, held_out), 0
+    bar = ProgressLine("warm-up", config.max_steps)
+    bar.note(f"warm-up SFT of the embedded model on {task} until greedy accuracy {config.target_accuracy} (cached after)")
     model.train()
     while accuracy < config.target_accuracy and step < config.max_steps:
         idx = torch.randint(len(rows), (config.batch_size,), generator=generator)
@@ -48,6 +51,10 @@ def warm_up(model, tokenizer, task: str, config: WarmupConfig, seed: int) -> dic
         step += 1
         if step % config.eval_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, held_out)
-            log.info("warm-up step %d: loss %.3f, greedy accuracy %.3f", step, loss.item(), accuracy)
+            status = f"step {step}: loss {loss.item():.3f}, greedy accuracy {accuracy:.3f}"
+            log.info("warm-up %s", status)
+            bar.update(step, status)
+    bar.close()
+    bar.note(f"warm-up done: {step} steps, greedy accuracy {accuracy:.3f}")
     model.eval()
     return {"steps": step, "greedy_accuracy": accuracy, "seconds": round(time.perf_counter() - started, 1)}
