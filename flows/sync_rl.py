@@ -70,7 +70,6 @@ def sync_rl(config: RunConfig) -> dict:
     return {
         "run_dir": config.run_dir,
         "rollouts_trained": len(records),
-        "next_rollout_id": config.num_rollout if records else run.start_rollout_id,
         "final_reward_mean": records[-1]["reward_mean"] if records else None,
         "task_runs": task_runs,
         **evaluation,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from miles.atomic import atomic_file
 
 STATE_FILE = "state.json"
 MODEL_DIR = "model"
@@ -19,17 +20,8 @@ OPTIMIZER_META = "optimizer.json"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
 
 
 def optimizer_to_files(optimizer: torch.optim.Optimizer, directory: Path) -> None:

@@ -24,6 +24,6 @@ def ensure_ray(address: str | None, actors: int) -> None:
         )
 
 
-def actor_options(num_gpus: float = 0.0) -> dict:
+def actor_options() -> dict:
     # One logical CPU per actor: Ray schedules, torch.set_num_threads decides the real threads.
-    return {"num_cpus": 1, "num_gpus": num_gpus, "max_concurrency": 1}
+    return {"num_cpus": 1, "max_concurrency": 1}

@@ -39,12 +39,6 @@ class InferenceController:
         ray.get([engine.update_weights.remote(weights_ref, version) for engine in self.engines])
         self._weight_version = version
 
-    def healthy(self, timeout_s: float = 10.0) -> bool:
-        try:
-            return all(ray.get([e.health.remote() for e in self.engines], timeout=timeout_s))
-        except (ray.exceptions.RayError, TimeoutError):
-            return False
-
     def shutdown(self) -> None:
         for engine in self.engines:
             ray.kill(engine)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
 
+from miles.atomic import atomic_file
 from miles.rollout.schema import check_schema
 
 
@@ -25,18 +24,10 @@ class RolloutStore:
     def write(self, rollout_id: int, table: pa.Table) -> Path:
         check_schema(table, f"rollout {rollout_id}")
         target = self.path(rollout_id)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as sink:
-                with pa.ipc.new_file(sink, table.schema) as writer:
-                    writer.write_table(table)
-                # The footer is written when the writer closes: sync after it, or a crash leaves a cut file.
-                sink.flush()
-                os.fsync(sink.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # The Arrow footer is written when the writer closes, before atomic_file syncs and renames.
+        with atomic_file(target) as sink:
+            with pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
         return target
 
     def read(self, rollout_id: int) -> pa.Table:

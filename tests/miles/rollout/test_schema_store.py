@@ -7,7 +7,7 @@ import os
 import pyarrow as pa
 import pytest
 
-from miles.rollout import store as store_module
+from miles import atomic as atomic_module
 from miles.rollout.schema import (
     ROLLOUT_SCHEMA,
     SCHEMA_VERSION,
@@ -109,7 +109,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(store_module.os, "replace", broken_replace)
+    monkeypatch.setattr(atomic_module.os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk gone"):
         store.write(3, rollout_table())
     assert not store.exists(3)
@@ -142,7 +142,7 @@ def test_whole_file_is_synced_before_rename(tmp_path, monkeypatch):
         synced_sizes.append(os.fstat(fd).st_size)
         real_fsync(fd)
 
-    monkeypatch.setattr(store_module.os, "fsync", recording_fsync)
+    monkeypatch.setattr(atomic_module.os, "fsync", recording_fsync)
     path = store.write(4, rollout_table())
     assert synced_sizes, "write never calls fsync"
     assert synced_sizes[-1] == path.stat().st_size
