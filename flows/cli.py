@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-FLOWS = ("sync",)
+FLOWS = ("sync", "async")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,9 +26,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(args.config, args.overrides, run_dir=args.run_dir, num_rollout=args.num_rollout)
-        from miles.run import check_inputs
+        from miles.run import check_inputs, check_off_policy_correction
 
         check_inputs(config)
+        if args.flow == "async":
+            check_off_policy_correction(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -36,9 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     from flows.runtime import configure_prefect
 
     configure_prefect()
-    from flows.sync_rl import sync_rl
+    if args.flow == "async":
+        from flows.async_rl import async_rl as rl_flow
+    else:
+        from flows.sync_rl import sync_rl as rl_flow
 
-    state = sync_rl(config, return_state=True)
+    state = rl_flow(config, return_state=True)
     if not state.is_completed():
         print(f"flow run ended {state.name}: {state.message}", file=sys.stderr)
         return 1

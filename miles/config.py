@@ -64,6 +64,9 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(4, gt=0)
     num_threads: int = Field(2, gt=0, description="torch threads of each engine actor")
+    max_weight_staleness: int | None = Field(
+        None, ge=0, description="get drops groups generated more than this many weight versions behind the trainer"
+    )
 
 
 class AlgoConfig(_Section):
@@ -75,6 +78,9 @@ class AlgoConfig(_Section):
     kl_loss_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
     use_rollout_logprobs: bool = Field(False, description="engine log-probs as the old policy instead of a recompute")
+    use_tis: bool = Field(True, description="truncated importance sampling: weight tokens by exp(trainer_old - rollout) logp")
+    tis_clip: float = Field(2.0, gt=0, description="upper clamp of the TIS weight")
+    tis_clip_low: float = Field(0.0, ge=0, description="lower clamp of the TIS weight")
 
 
 class TrainConfig(_Section):
@@ -93,6 +99,7 @@ class RunConfig(_Section):
     seed: int = 0
     num_rollout: int = Field(300, gt=0, description="total rollouts of the run (a resumed run goes on to this)")
     save_interval: int = Field(50, gt=0, description="checkpoint every N rollouts (and at the end)")
+    update_weights_interval: int = Field(1, gt=0, description="push weights to the engines every N rollouts")
     ray_address: str | None = Field(None, description="existing Ray cluster; unset starts a local one")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -108,6 +115,8 @@ class RunConfig(_Section):
                 f"train.global_batch_size ({self.train.global_batch_size}) must divide "
                 f"rollout.rollout_batch_size x rollout.n_samples_per_prompt ({samples})"
             )
+        if self.algo.tis_clip_low > self.algo.tis_clip:
+            raise ValueError(f"algo.tis_clip_low ({self.algo.tis_clip_low}) must not exceed algo.tis_clip ({self.algo.tis_clip})")
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise ValueError(
                 f"train.micro_batch_size ({self.train.micro_batch_size}) must divide "

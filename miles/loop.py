@@ -12,7 +12,8 @@ def sync_iteration(run: RLRun, rollout_id: int) -> None:
     run.generate(rollout_id)
     table = run.get(rollout_id)
     run.train(rollout_id, table)
-    run.sync_weights(rollout_id)
+    if run.should_sync(rollout_id):
+        run.sync_weights(rollout_id)
     if run.should_save(rollout_id):
         run.save_checkpoint(rollout_id)
 

@@ -55,6 +55,12 @@ def check_inputs(config: RunConfig) -> tuple[list[dict[str, str]], RewardFn]:
         raise ConfigError(str(exc)) from None
 
 
+def check_off_policy_correction(config: RunConfig) -> None:
+    """Training one step off-policy (the async flow) needs a correction for the stale rollout log-probs."""
+    if not (config.algo.use_tis or config.algo.use_rollout_logprobs):
+        raise ConfigError("the async flow trains off-policy: set algo.use_tis=true or algo.use_rollout_logprobs=true")
+
+
 class RLRun:
     def __init__(self, config: RunConfig):
         self.config = config
@@ -67,6 +73,7 @@ class RLRun:
         state = read_state(checkpoint) if checkpoint else None
         self.start_rollout_id = state["rollout_id"] + 1 if state else 0
         weight_version = state["weight_version"] if state else 0
+        self.trainer_version = weight_version  # rollouts trained so far; version rollout_id + 1 after train
         lost = Ledger(self.run_dir).forget_after(self.start_rollout_id - 1)
         if lost:
             log.warning("rollouts %s were trained after the last checkpoint; they will be trained again", lost)
@@ -126,13 +133,14 @@ class RLRun:
     def generate(self, rollout_id: int) -> dict[str, Any]:
         started = time.perf_counter()
         summary = self.executor.generate(rollout_id)
-        self._summaries[rollout_id] = summary
+        self._summaries.setdefault(rollout_id, {}).update(summary)
         self._timed(rollout_id, "generate", started)
         return summary
 
     def get(self, rollout_id: int) -> pa.Table:
         started = time.perf_counter()
-        table = self.executor.get(rollout_id)
+        table, stats = self.executor.get(rollout_id, self.trainer_version)
+        self._summaries.setdefault(rollout_id, {}).update(stats)
         self._timed(rollout_id, "get", started)
         return table
 
@@ -140,6 +148,7 @@ class RLRun:
         started = time.perf_counter()
         metrics = ray.get(self.trainer.train.remote(rollout_id, table))
         self._metrics[rollout_id] = metrics
+        self.trainer_version = rollout_id + 1
         self._timed(rollout_id, "train", started)
         return metrics
 
@@ -150,6 +159,9 @@ class RLRun:
         self.controller.update_weights(self.trainer.weights.remote(), version)
         self._timed(rollout_id, "sync", started)
         return version
+
+    def should_sync(self, rollout_id: int) -> bool:
+        return (rollout_id + 1) % self.config.update_weights_interval == 0 or rollout_id == self.config.num_rollout - 1
 
     def should_save(self, rollout_id: int) -> bool:
         return (rollout_id + 1) % self.config.save_interval == 0 or rollout_id == self.config.num_rollout - 1
@@ -172,6 +184,7 @@ class RLRun:
         """Append the iteration's record to metrics.jsonl (once per rollout_id) and report progress."""
         record = {
             "rollout_id": rollout_id,
+            "finished_at": time.time(),
             **self._summaries.pop(rollout_id, {}),
             **self._metrics.pop(rollout_id, {}),
             **{f"time_{p}": 0.0 for p in ("generate", "get", "train", "sync")},

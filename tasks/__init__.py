@@ -1,4 +1,4 @@
-"""Prefect tasks: each is retries + a readable run name around one call into `miles` (`generate` carries the `gpu` tag)."""
+"""Prefect tasks: each is retries + a readable run name around one call into `miles`."""
 
 from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate

@@ -94,22 +94,33 @@ class RolloutExecutor:
         self.data_source.position = end
         return summarize(table)
 
-    def get(self, rollout_id: int) -> pa.Table:
-        """The stored rollout with group-normalised advantages, trimmed to a multiple of global_batch_size."""
+    def get(self, rollout_id: int, trainer_version: int) -> tuple[pa.Table, dict[str, float]]:
+        """The stored rollout, ready to train: stale groups dropped, group-normalised advantages, trimmed to a
+        multiple of global_batch_size. Also returns the handover's counts (staleness, dropped groups)."""
         table = self.store.read(rollout_id)
+        groups = table.column("group_index").to_numpy()
+        staleness = trainer_version - table.column("weight_version").to_numpy()
+        bound = self.config.rollout.max_weight_staleness
+        dropped_groups = 0
+        if bound is not None:
+            stale_groups = np.unique(groups[staleness > bound])
+            dropped_groups = len(stale_groups)
+            if dropped_groups:
+                keep_rows = ~np.isin(groups, stale_groups)
+                table, groups, staleness = table.filter(pa.array(keep_rows)), groups[keep_rows], staleness[keep_rows]
+        gbs = self.config.train.global_batch_size
+        if table.num_rows < gbs:
+            why = f"after dropping {dropped_groups} groups staler than rollout.max_weight_staleness={bound} " if dropped_groups else ""
+            raise ValueError(
+                f"rollout {rollout_id} has {table.num_rows} samples {why}(trainer at weight version {trainer_version}), "
+                f"fewer than train.global_batch_size ({gbs})"
+            )
         advantages = grpo_advantages(
-            table.column("raw_reward").to_numpy(),
-            table.column("group_index").to_numpy(),
-            std_normalization=self.config.algo.grpo_std_normalization,
+            table.column("raw_reward").to_numpy(), groups, std_normalization=self.config.algo.grpo_std_normalization
         )
         table = table.set_column(table.schema.get_field_index("advantage"), ROLLOUT_SCHEMA.field("advantage"), pa.array(advantages))
-        keep = table.num_rows - table.num_rows % self.config.train.global_batch_size
-        if keep == 0:
-            raise ValueError(
-                f"rollout {rollout_id} has {table.num_rows} samples, fewer than train.global_batch_size "
-                f"({self.config.train.global_batch_size})"
-            )
-        return table.slice(0, keep)
+        stats = {"staleness_mean": float(staleness.mean()), "dropped_groups": dropped_groups}
+        return table.slice(0, table.num_rows - table.num_rows % gbs), stats
 
 
 def _rollout_seed(run_seed: int, rollout_id: int) -> int:

@@ -41,6 +41,14 @@ def rollout_metadata(table: pa.Table) -> dict[str, str]:
 def check_schema(table: pa.Table, source: str) -> None:
     expected = ROLLOUT_SCHEMA.remove_metadata()
     actual = table.schema.remove_metadata()
-    if not actual.equals(expected):
-        missing = set(expected.names) - set(actual.names)
-        raise ValueError(f"{source}: not a rollout table (schema differs; missing columns {sorted(missing)})")
+    if actual.equals(expected):
+        return
+    missing = [name for name in expected.names if name not in actual.names]
+    differing = [
+        f"{f.name} is {actual.field(f.name).type}{'' if actual.field(f.name).nullable == f.nullable else ' (nullability differs)'}, expected {f.type}"
+        for f in expected
+        if f.name in actual.names and not actual.field(f.name).equals(f)
+    ]
+    extra = [name for name in actual.names if name not in expected.names]
+    problems = [f"missing columns {missing}"] * bool(missing) + differing + [f"unexpected columns {extra}"] * bool(extra)
+    raise ValueError(f"{source}: not a rollout table: {'; '.join(problems) or 'column order differs'}")

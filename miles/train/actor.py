@@ -25,7 +25,7 @@ from miles.checkpoint import (
 )
 from miles.config import RunConfig
 from miles.train.batch import TrainBatch, batch_from_table
-from miles.train.loss import k3_kl, ppo_clip_loss, token_entropy, token_logprobs
+from miles.train.loss import k3_kl, ppo_clip_loss, tis_weights, token_entropy, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class TrainActor:
         trainer_lp = self._logprobs(self.model, batch)
         old_lp = rollout_lp if algo.use_rollout_logprobs else trainer_lp
         ref_lp = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
+        tis = tis_weights(trainer_lp, rollout_lp, algo.tis_clip_low, algo.tis_clip) if algo.use_tis else None
         eps_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
 
         gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
@@ -95,7 +96,10 @@ class TrainActor:
                     mask = mask_all[rows].float()
                     logits = self.model(input_ids=tokens, attention_mask=mb.attention_mask.to(self.device)).logits
                     logp = token_logprobs(logits, tokens, cfg.rollout.temperature)
-                    pg, clipped = ppo_clip_loss(logp, old_lp[rows], mb.advantages.to(self.device), mask, algo.eps_clip, eps_high)
+                    pg, clipped = ppo_clip_loss(
+                        logp, old_lp[rows], mb.advantages.to(self.device), mask, algo.eps_clip, eps_high,
+                        token_weights=None if tis is None else tis[rows],
+                    )
                     loss = pg
                     if ref_lp is not None:
                         kl = k3_kl(logp, ref_lp[rows], mask)
@@ -116,6 +120,7 @@ class TrainActor:
 
         tokens = max(sums["tokens"], 1.0)
         mask_f = mask_all.float()
+        mask_count = mask_f.sum().clamp(min=1)
         metrics = {
             "loss": sums["loss"] / tokens,
             "pg_loss": sums["pg_loss"] / tokens,
@@ -124,11 +129,17 @@ class TrainActor:
             "clip_fraction": sums["clipped"] / tokens,
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "optimizer_steps": len(grad_norms),
-            "train_rollout_logprob_abs_diff": float(((trainer_lp - rollout_lp).abs() * mask_f).sum() / mask_f.sum().clamp(min=1)),
+            "train_rollout_logprob_abs_diff": float(((trainer_lp - rollout_lp).abs() * mask_f).sum() / mask_count),
+            # k1 estimate of KL(rollout policy || trainer policy) on the sampled tokens.
+            "train_rollout_kl": float(((rollout_lp - trainer_lp) * mask_f).sum() / mask_count),
             "train_seconds": time.perf_counter() - started,
         }
         if ref_lp is not None:
             metrics["kl_ref"] = sums["kl_ref"] / tokens
+        if tis is not None:
+            raw = torch.exp(trainer_lp - rollout_lp)
+            metrics["tis_weight_mean"] = float((tis * mask_f).sum() / mask_count)
+            metrics["tis_clip_fraction"] = float((((raw < algo.tis_clip_low) | (raw > algo.tis_clip)) * mask_f).sum() / mask_count)
         self.ledger.record(rollout_id, metrics)
         return metrics
 

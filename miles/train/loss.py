@@ -25,8 +25,11 @@ def ppo_clip_loss(
     mask: torch.Tensor,
     eps_clip: float,
     eps_clip_high: float,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over masked tokens of the clipped surrogate max(-A r, -A clip(r)), and the count of clipped tokens.
+
+    `token_weights` (e.g. TIS weights) multiply each token's term.
 
     `advantages` is per sequence ([B]) or per token ([B, T]). Sums, not means, so that micro-batches add
     up to the global batch's token mean when the caller divides by its token count.
@@ -37,6 +40,8 @@ def ppo_clip_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     return (per_token * mask).sum(), ((clipped > unclipped) * mask).sum()
 
 
@@ -44,3 +49,8 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
     """Sum over masked tokens of the k3 estimator of KL(policy || ref): exp(d) - d - 1 with d = ref - logp."""
     delta = ref_logprobs - logprobs
     return ((torch.exp(delta) - delta - 1.0) * mask).sum()
+
+
+def tis_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Truncated importance weights exp(trainer_old - rollout) clamped to [low, high]; no gradient flows."""
+    return torch.exp(trainer_logprobs - rollout_logprobs).clamp(low, high).detach()

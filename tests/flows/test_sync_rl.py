@@ -32,7 +32,6 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
     expected = [f"{task}[rollout={i}]" for i in (0, 1) for task in ("generate", "get", "train_step", "sync_weights")]
     assert set(expected) | {"save_checkpoint[rollout=1]", "evaluate[rollout=1]"} == set(names)
     assert all(r.state.is_completed() for r in task_runs)
-    assert "gpu" in names["generate[rollout=0]"].tags
     assert {a.type for a in artifacts} >= {"progress", "table"}
     table = next(a for a in artifacts if a.type == "table")
     assert [row["rollout_id"] for row in json.loads(table.data)] == [0, 1]

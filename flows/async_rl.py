@@ -1,0 +1,58 @@
+"""The async RL flow: one step off-policy; generating rollout i+1 overlaps training on rollout i.
+
+    next_rollout = generate.submit(start)
+    for rollout_id in start .. num_rollout - 1:
+        table = get(rollout_id, wait_for=[next_rollout])          # rollout i is stored
+        next_rollout = generate.submit(rollout_id + 1)            # samples on the weights the engines have now
+        train_step(rollout_id, table)                             # meanwhile the trainer steps on rollout i
+        sync_weights(rollout_id, wait_for=[next_rollout])         # never change weights mid-generation
+        save_checkpoint(rollout_id)                               # every save_interval and at the end
+    evaluate(last rollout_id)
+
+Rollout i+1 comes from weights one version behind the trainer; the loss corrects with truncated importance
+sampling (algo.use_tis) or the engine's log-probs as the old policy (algo.use_rollout_logprobs), and
+rollout.max_weight_staleness bounds how stale a group may be.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.report import RunReport
+from miles.config import RunConfig
+from miles.run import RLRun, check_off_policy_correction
+from tasks import generate, get, save_checkpoint, sync_weights, train_step
+
+
+@flow(name="rl-async")
+def async_rl(config: RunConfig) -> dict:
+    check_off_policy_correction(config)
+    run = RLRun(config)
+    try:
+        report = RunReport(run, "rl-async")
+        rollout_ids = run.rollout_ids()
+        next_rollout = generate.submit(run, rollout_ids[0]) if rollout_ids else None
+        report.task_runs += bool(rollout_ids)
+        for rollout_id in rollout_ids:
+            table = get(run, rollout_id, wait_for=[next_rollout])
+            next_rollout = generate.submit(run, rollout_id + 1) if rollout_id + 1 < config.num_rollout else None
+            train_step(run, rollout_id, table)
+            report.task_runs += 2 + (next_rollout is not None)
+            if run.should_sync(rollout_id):
+                sync_weights(run, rollout_id, wait_for=[next_rollout] if next_rollout else None)
+                report.task_runs += 1
+            if run.should_save(rollout_id):
+                save_checkpoint(run, rollout_id)
+                report.task_runs += 1
+            report.iteration_done(rollout_id)
+        report.evaluate_final()
+    finally:
+        run.close()
+    return report.summary()
+
+
+if __name__ == "__main__":
+    from flows.runtime import configure_prefect
+
+    configure_prefect()
+    print(async_rl(RunConfig()))

@@ -1,0 +1,57 @@
+"""What every RL flow shows in the UI: a progress artifact, a per-iteration metrics table, the final evaluation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+
+from flows.runtime import wait_for_task_history
+from miles.run import RLRun
+from tasks import evaluate
+
+TABLE_COLUMNS = ("rollout_id", "reward_mean", "response_length_mean", "loss", "grad_norm", "clip_fraction", "entropy",
+                 "staleness_mean", "time_generate", "time_get", "time_train", "time_sync")
+
+
+class RunReport:
+    def __init__(self, run: RLRun, flow_name: str):
+        self.run = run
+        self.flow_name = flow_name
+        self.records: list[dict[str, Any]] = []
+        self.task_runs = 0
+        self.total = run.config.num_rollout
+        self.shown = int(100 * run.start_rollout_id / self.total)
+        self.progress = create_progress_artifact(
+            progress=float(self.shown), key=f"{flow_name}-progress", description=f"rollouts of {run.config.run_dir}"
+        )
+        self.evaluation: dict[str, float] = {}
+
+    def iteration_done(self, rollout_id: int) -> None:
+        self.records.append(self.run.finish_iteration(rollout_id))
+        percent = int(100 * (rollout_id + 1) / self.total)
+        if percent > self.shown:  # one update per whole percent keeps API writes off the hot path
+            update_progress_artifact(artifact_id=self.progress, progress=float(percent))
+            self.shown = percent
+
+    def evaluate_final(self) -> None:
+        if not self.records:
+            return
+        self.evaluation = evaluate(self.run, self.records[-1]["rollout_id"])
+        self.task_runs += 1
+        create_table_artifact(
+            key=f"{self.flow_name}-metrics",
+            table=[{k: round(v, 4) if isinstance(v := r.get(k), float) else v for k in TABLE_COLUMNS} for r in self.records],
+            description=f"per-iteration metrics of {self.run.config.run_dir}",
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Wait until the API holds every task run of this flow run, then return the run's summary."""
+        wait_for_task_history(self.task_runs)
+        return {
+            "run_dir": self.run.config.run_dir,
+            "rollouts_trained": len(self.records),
+            "final_reward_mean": self.records[-1]["reward_mean"] if self.records else None,
+            "task_runs": self.task_runs,
+            **self.evaluation,
+        }

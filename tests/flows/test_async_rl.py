@@ -1,0 +1,50 @@
+"""The rl-async flow: generation of rollout i+1 overlaps training on rollout i, read back from the Prefect API."""
+
+import asyncio
+import json
+from pathlib import Path
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter
+
+from flows.async_rl import async_rl
+
+
+async def _task_runs(flow_run_id):
+    async with get_client() as client:
+        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+    return {r.name: r for r in runs}
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_generation_of_the_next_rollout_overlaps_training(ray_session, prefect_api, small_config):
+    config = small_config(num_rollout=3)
+    state = async_rl(config, return_state=True)
+    assert state.is_completed(), state.message
+    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+
+    assert all(r.state.is_completed() for r in runs.values())
+    assert state.result()["task_runs"] == len(runs) == 3 * 4 + 2  # + the final checkpoint and evaluation
+    for i in (0, 1):
+        generate_next, train, sync = runs[f"generate[rollout={i + 1}]"], runs[f"train_step[rollout={i}]"], runs[f"sync_weights[rollout={i}]"]
+        assert generate_next.start_time < train.end_time
+        assert sync.start_time >= generate_next.end_time
+    metrics = _metrics(config.run_dir)
+    # Rollout i >= 1 was sampled by weights one version behind the trainer that trains on it.
+    assert [m["weight_version"] for m in metrics] == [0, 0, 1]
+    assert [m["staleness_mean"] for m in metrics] == [0.0, 1.0, 1.0]
+    for m in metrics:
+        assert 0.0 < m["tis_weight_mean"] <= config.algo.tis_clip
+        assert 0.0 <= m["tis_clip_fraction"] <= 1.0 and "train_rollout_kl" in m
+
+
+def test_a_staleness_bound_of_zero_drops_the_stale_rollout_and_says_so(ray_session, prefect_api, small_config):
+    config = small_config("rollout.max_weight_staleness=0", num_rollout=3)
+    state = async_rl(config, return_state=True)
+
+    assert state.is_failed()
+    assert "dropping 8 groups staler than rollout.max_weight_staleness=0" in state.message + str(state.data)
+    assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0]
