@@ -76,16 +76,18 @@ class TrainActor:
         batch = batch_from_table(table, self.pad_token_id)
         mask_all = batch.response_mask.to(self.device)
         rollout_lp = batch.rollout_logprobs.to(self.device)
-        trainer_lp = self._logprobs(self.model, batch)
-        old_lp = rollout_lp if algo.use_rollout_logprobs else trainer_lp
+        gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+        # The policy before this rollout's first step: the first global batch's forward passes run before that
+        # step, so they give its rows for free; the other rows need a forward now, before any step.
+        trainer_lp = torch.zeros_like(rollout_lp)
+        if len(batch) > gbs:
+            trainer_lp[gbs:] = self._logprobs(self.model, batch.rows(slice(gbs, None)))
         ref_lp = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
-        tis = tis_weights(trainer_lp, rollout_lp, algo.tis_clip_low, algo.tis_clip) if algo.use_tis else None
         eps_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
 
-        gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
         sums = dict(loss=0.0, pg_loss=0.0, kl_ref=0.0, entropy=0.0, ppo_kl=0.0, clipped=0.0, tokens=0.0)
         grad_norms = []
-        for _ in range(cfg.train.num_passes):
+        for epoch in range(cfg.train.num_passes):
             for start in range(0, len(batch), gbs):
                 step_tokens = mask_all[start : start + gbs].sum().clamp(min=1)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -96,9 +98,12 @@ class TrainActor:
                     mask = mask_all[rows].float()
                     logits = self.model(input_ids=tokens, attention_mask=mb.attention_mask.to(self.device)).logits
                     logp = token_logprobs(logits, tokens, cfg.rollout.temperature)
+                    if epoch == 0 and start == 0:
+                        trainer_lp[rows] = logp.detach()
+                    old_lp = rollout_lp[rows] if algo.use_rollout_logprobs else trainer_lp[rows]
+                    tis = tis_weights(trainer_lp[rows], rollout_lp[rows], algo.tis_clip_low, algo.tis_clip) if algo.use_tis else None
                     pg, clipped = ppo_clip_loss(
-                        logp, old_lp[rows], mb.advantages.to(self.device), mask, algo.eps_clip, eps_high,
-                        token_weights=None if tis is None else tis[rows],
+                        logp, old_lp, mb.advantages.to(self.device), mask, algo.eps_clip, eps_high, token_weights=tis
                     )
                     loss = pg
                     if ref_lp is not None:
@@ -112,7 +117,7 @@ class TrainActor:
                     sums["loss"] += loss.item()
                     sums["pg_loss"] += pg.item()
                     sums["entropy"] += entropy.item()
-                    sums["ppo_kl"] += ((old_lp[rows] - logp.detach()) * mask).sum().item()
+                    sums["ppo_kl"] += ((old_lp - logp.detach()) * mask).sum().item()
                     sums["clipped"] += clipped.item()
                     sums["tokens"] += mask.sum().item()
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)))
@@ -136,8 +141,9 @@ class TrainActor:
         }
         if ref_lp is not None:
             metrics["kl_ref"] = sums["kl_ref"] / tokens
-        if tis is not None:
+        if algo.use_tis:
             raw = torch.exp(trainer_lp - rollout_lp)
+            tis = raw.clamp(algo.tis_clip_low, algo.tis_clip)
             metrics["tis_weight_mean"] = float((tis * mask_f).sum() / mask_count)
             metrics["tis_clip_fraction"] = float((((raw < algo.tis_clip_low) | (raw > algo.tis_clip)) * mask_f).sum() / mask_count)
         self.ledger.record(rollout_id, metrics)
