@@ -27,9 +27,7 @@ from tasks import generate, get, save_checkpoint, sync_weights, train_step
 @flow(name="rl-async")
 def async_rl(config: RunConfig) -> dict:
     check_off_policy_correction(config)
-    run = RLRun(config)
-    try:
-        report = RunReport(run, "rl-async")
+    with RLRun(config) as run, RunReport(run, "rl-async") as report:
         rollout_ids = run.rollout_ids()
         next_rollout = generate.submit(run, rollout_ids[0]) if rollout_ids else None
         report.task_runs += bool(rollout_ids)
@@ -46,8 +44,6 @@ def async_rl(config: RunConfig) -> dict:
                 report.task_runs += 1
             report.iteration_done(rollout_id)
         report.evaluate_final()
-    finally:
-        run.close()
     return report.summary()
 
 

@@ -15,6 +15,8 @@ TABLE_COLUMNS = ("rollout_id", "reward_mean", "response_length_mean", "loss", "g
 
 
 class RunReport:
+    """Used as `with RunReport(run, name) as report:`; leaving the block waits until the API holds the task history."""
+
     def __init__(self, run: RLRun, flow_name: str):
         self.run = run
         self.flow_name = flow_name
@@ -45,9 +47,13 @@ class RunReport:
             description=f"per-iteration metrics of {self.run.config.run_dir}",
         )
 
+    def __enter__(self) -> "RunReport":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wait_for_task_history(self.task_runs)  # also after a failure: the failed run's history is what people read
+
     def summary(self) -> dict[str, Any]:
-        """Wait until the API holds every task run of this flow run, then return the run's summary."""
-        wait_for_task_history(self.task_runs)
         return {
             "run_dir": self.run.config.run_dir,
             "rollouts_trained": len(self.records),

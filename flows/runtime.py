@@ -28,19 +28,13 @@ def wait_for_task_history(expected: int, timeout_s: float = 60.0) -> int:
     """
     from prefect import runtime
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter
 
-    flow_run_id = runtime.flow_run.id
+    finished = {"task_runs": {"state": {"type": {"any_": ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]}}},
+                "flow_runs": {"id": {"any_": [str(runtime.flow_run.id)]}}}
     deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
         while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}), limit=200, offset=0)
-            seen = _count_finished(client, flow_run_id) if len(runs) >= 200 else sum(r.state is not None and r.state.is_final() for r in runs)
+            seen = int(client.request("POST", "/task_runs/count", json=finished).json())
             if seen >= expected or time.monotonic() > deadline:
                 return seen
             time.sleep(0.2)
-
-
-def _count_finished(client, flow_run_id) -> int:
-    body = {"flow_runs": {"id": {"any_": [str(flow_run_id)]}}, "task_runs": {"state": {"type": {"any_": ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]}}}}
-    return int(client.request("POST", "/task_runs/count", json=body).json())

@@ -38,15 +38,11 @@ def sync_iteration(run: RLRun, rollout_id: int) -> int:
 
 @flow(name="rl-sync")
 def sync_rl(config: RunConfig) -> dict:
-    run = RLRun(config)
-    try:
-        report = RunReport(run, "rl-sync")
+    with RLRun(config) as run, RunReport(run, "rl-sync") as report:
         for rollout_id in run.rollout_ids():
             report.task_runs += sync_iteration(run, rollout_id)
             report.iteration_done(rollout_id)
         report.evaluate_final()
-    finally:
-        run.close()
     return report.summary()
 
 

@@ -28,6 +28,9 @@ def test_bad_config_fails_before_any_work_and_names_the_field(tmp_path):
     out = _miles("run", "sync", "--set", "rollout.temperature=-1", cwd=tmp_path)
     assert out.returncode == 2 and "rollout.temperature" in out.stderr
 
+    out = _miles("run", "async", "--set", "algo.use_tis=false", cwd=tmp_path)
+    assert out.returncode == 2 and "algo.use_tis" in out.stderr
+
     missing = tmp_path / "nope.jsonl"
     out = _miles("run", "sync", "--set", "data.task=null", "--set", f"data.path={missing}", "--set", "model.path=/x", cwd=tmp_path)
     assert out.returncode == 2 and str(missing) in out.stderr
