@@ -86,3 +86,10 @@ def test_train_twice_on_one_rollout_steps_once(ray_session, small_config):
     assert any(not torch.equal(before[k], after_first[k]) for k in before)
     assert all(torch.equal(after_first[k], after_second[k]) for k in before)
     assert second == first
+
+
+def test_update_weights_interval_pushes_every_n_rollouts(ray_session, small_config):
+    config = small_config("update_weights_interval=2", num_rollout=4)
+    run_sync(config)
+    # Weights reach the engines after rollouts 1 and 3 (and always after the last one).
+    assert [m["weight_version"] for m in _metrics(config.run_dir)] == [0, 0, 2, 2]
