@@ -48,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flow run ended {state.name}: {state.message}", file=sys.stderr)
         return 1
     summary = state.result()
+    if not summary["rollouts_trained"]:
+        print(f"nothing to do: {summary['run_dir']} has trained all {config.num_rollout} rollouts (raise --num-rollout to go on)")
+        return 0
     print(f"done: {summary['rollouts_trained']} rollouts trained in {summary['run_dir']}; "
-          f"final reward {summary['final_reward_mean']}")
+          f"final reward {summary['final_reward_mean']:.3f}")
     if "greedy_accuracy_final" in summary:
         print(f"greedy accuracy on 200 held-out prompts: {summary['greedy_accuracy_initial']:.3f} (starting model) "
               f"-> {summary['greedy_accuracy_final']:.3f} (final checkpoint)")
