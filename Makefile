@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
-.PHONY: install run test ui
+.PHONY: install run test ui server
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -23,3 +23,10 @@ test: install
 
 ui: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+
+# The UI plus the served deployments (rl-sync/tiny, rl-async/tiny); Ctrl-C stops both.
+server: install
+	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200 & server=$$!; \
+	trap "kill $$server" EXIT; \
+	until curl -sf http://127.0.0.1:4200/api/health >/dev/null; do sleep 0.5; done; \
+	$(PREFECT_ENV) PREFECT_API_URL=http://127.0.0.1:4200/api $(PY) -m deployments.serve

@@ -33,7 +33,7 @@ def async_rl(config: RunConfig) -> dict:
         report.task_runs += bool(rollout_ids)
         for rollout_id in rollout_ids:
             table = get(run, rollout_id, wait_for=[next_rollout])
-            next_rollout = generate.submit(run, rollout_id + 1) if rollout_id + 1 < config.num_rollout else None
+            next_rollout = generate.submit(run, rollout_id + 1) if rollout_id + 1 < rollout_ids.stop else None
             train_step(run, rollout_id, table)
             report.task_runs += 2 + (next_rollout is not None)
             if run.should_sync(rollout_id):
@@ -43,7 +43,7 @@ def async_rl(config: RunConfig) -> dict:
                 save_checkpoint(run, rollout_id)
                 report.task_runs += 1
             report.iteration_done(rollout_id)
-        report.evaluate_final()
+        report.finish()
     return report.summary()
 
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from flows.runtime import wait_for_task_history
 from miles.run import RLRun
@@ -36,16 +41,34 @@ class RunReport:
             update_progress_artifact(artifact_id=self.progress, progress=float(percent))
             self.shown = percent
 
-    def evaluate_final(self) -> None:
+    def finish(self) -> None:
+        """Evaluate the final checkpoint; write the metrics table, the markdown summary and the reward curve."""
         if not self.records:
             return
-        self.evaluation = evaluate(self.run, self.records[-1]["rollout_id"])
+        last = self.records[-1]["rollout_id"]
+        self.evaluation = evaluate(self.run, last)
         self.task_runs += 1
         create_table_artifact(
             key=f"{self.flow_name}-metrics",
             table=[{k: round(v, 4) if isinstance(v := r.get(k), float) else v for k in TABLE_COLUMNS} for r in self.records],
             description=f"per-iteration metrics of {self.run.config.run_dir}",
         )
+        run_dir = self.run.run_dir.resolve()
+        curve = self.run.plot_reward_curve()
+        lines = [
+            f"# {self.flow_name}: rollouts {self.records[0]['rollout_id']}..{last} of {self.total}",
+            "",
+            "| | |",
+            "|---|---|",
+            f"| final reward (rollout {last}) | {self.records[-1]['reward_mean']:.3f} |",
+            f"| mean reward, this flow run | {sum(r['reward_mean'] for r in self.records) / len(self.records):.3f} |",
+            *(f"| {k.replace('_', ' ')} | {v:.3f} |" for k, v in self.evaluation.items()),
+            f"| checkpoint | `{run_dir / 'checkpoints' / str(last)}` |",
+            f"| rollouts (Arrow IPC) | `{run_dir / 'rollouts'}` |",
+            f"| metrics | `{run_dir / 'metrics.jsonl'}` |",
+            f"| reward curve | `{curve.resolve()}` |",
+        ]
+        create_markdown_artifact(key=f"{self.flow_name}-summary", markdown="\n".join(lines), description="run summary")
 
     def __enter__(self) -> "RunReport":
         return self

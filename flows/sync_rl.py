@@ -42,7 +42,7 @@ def sync_rl(config: RunConfig) -> dict:
         for rollout_id in run.rollout_ids():
             report.task_runs += sync_iteration(run, rollout_id)
             report.iteration_done(rollout_id)
-        report.evaluate_final()
+        report.finish()
     return report.summary()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -12,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from miles.atomic import atomic_file
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 MODEL_DIR = "model"
@@ -99,3 +102,48 @@ class Ledger:
 
     def _save(self) -> None:
         write_json_atomic(self.path, {"trained": {str(k): v for k, v in sorted(self.trained.items())}})
+
+
+class RunLock:
+    """<run_dir>/run.lock holds the pid of the process training the run; a second process is refused.
+
+    A lock whose pid is dead (a killed process) is taken over with a warning.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "run.lock"
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and _alive(holder):
+                    raise RuntimeError(f"{self.path.parent} is being trained by process {holder} (lock {self.path})") from None
+                log.warning("taking over the stale lock %s of process %s", self.path, holder)
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return
+
+    def _holder(self) -> int | None:
+        try:
+            return int(self.path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self._holder() == os.getpid():
+            self.path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

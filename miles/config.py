@@ -100,6 +100,9 @@ class RunConfig(_Section):
     num_rollout: int = Field(300, gt=0, description="total rollouts of the run (a resumed run goes on to this)")
     save_interval: int = Field(50, gt=0, description="checkpoint every N rollouts (and at the end)")
     update_weights_interval: int = Field(1, gt=0, description="push weights to the engines every N rollouts")
+    iterations_per_run: int | None = Field(
+        None, gt=0, description="train at most this many rollouts per flow run, then checkpoint and exit (scheduled runs)"
+    )
     ray_address: str | None = Field(None, description="existing Ray cluster; unset starts a local one")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()

@@ -17,12 +17,13 @@ import pyarrow as pa
 import ray
 from transformers import AutoTokenizer
 
-from miles.checkpoint import MODEL_DIR, Ledger, checkpoint_dir, latest_checkpoint, read_state, write_json_atomic
+from miles.checkpoint import MODEL_DIR, Ledger, RunLock, checkpoint_dir, latest_checkpoint, read_state, write_json_atomic
 from miles.cluster import actor_options, ensure_ray
 from miles.config import ConfigError, RunConfig
 from miles.data import DataSource, load_rows
 from miles.evaluate import evaluate_checkpoint
 from miles.models import ensure_embedded_model
+from miles.plots import plot_reward_curve
 from miles.progress import IterationReporter
 from miles.rewards import RewardFn, resolve_reward
 from miles.rollout.inference_controller import InferenceController
@@ -68,34 +69,39 @@ class RLRun:
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
-        self.initial_model = self._initial_model()
-        checkpoint = latest_checkpoint(self.run_dir)
-        state = read_state(checkpoint) if checkpoint else None
-        self.start_rollout_id = state["rollout_id"] + 1 if state else 0
-        weight_version = state["weight_version"] if state else 0
-        self.trainer_version = weight_version  # rollouts trained so far; version rollout_id + 1 after train
-        lost = Ledger(self.run_dir).forget_after(self.start_rollout_id - 1)
-        if lost:
-            log.warning("rollouts %s were trained after the last checkpoint; they will be trained again", lost)
-        self._truncate_metrics()
-        self._write_run_record(checkpoint)
+        self.lock = RunLock(self.run_dir)
+        try:
+            self.initial_model = self._initial_model()
+            checkpoint = latest_checkpoint(self.run_dir)
+            state = read_state(checkpoint) if checkpoint else None
+            self.start_rollout_id = state["rollout_id"] + 1 if state else 0
+            weight_version = state["weight_version"] if state else 0
+            self.trainer_version = weight_version  # rollouts trained so far; version rollout_id + 1 after train
+            lost = Ledger(self.run_dir).forget_after(self.start_rollout_id - 1)
+            if lost:
+                log.warning("rollouts %s were trained after the last checkpoint; they will be trained again", lost)
+            self._truncate_metrics()
+            self._write_run_record(checkpoint)
 
-        ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
-        self.trainer = ray.remote(TrainActor).options(**actor_options()).remote(
-            config, str(self.initial_model), str(checkpoint) if checkpoint else None
-        )
-        engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
-        self.controller = InferenceController(str(engine_model), weight_version, config.rollout.num_engines, config.rollout.num_threads)
-        self.data_source = DataSource(rows, seed=config.seed, shuffle=config.data.shuffle)
-        if state:
-            self.data_source.load_state_dict(state["data"])
-        self.store = RolloutStore(self.run_dir)
-        tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
-        self.executor = RolloutExecutor(config, self.controller, tokenizer, self.data_source, self.store, reward_fn)
-        self._timings: dict[int, dict[str, float]] = {}
-        self._summaries: dict[int, dict[str, Any]] = {}
-        self._metrics: dict[int, dict[str, float]] = {}
-        self.reporter = IterationReporter(config.num_rollout, self.start_rollout_id)
+            ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
+            self.trainer = ray.remote(TrainActor).options(**actor_options()).remote(
+                config, str(self.initial_model), str(checkpoint) if checkpoint else None
+            )
+            engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
+            self.controller = InferenceController(str(engine_model), weight_version, config.rollout.num_engines, config.rollout.num_threads)
+            self.data_source = DataSource(rows, seed=config.seed, shuffle=config.data.shuffle)
+            if state:
+                self.data_source.load_state_dict(state["data"])
+            self.store = RolloutStore(self.run_dir)
+            tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
+            self.executor = RolloutExecutor(config, self.controller, tokenizer, self.data_source, self.store, reward_fn)
+            self._timings: dict[int, dict[str, float]] = {}
+            self._summaries: dict[int, dict[str, Any]] = {}
+            self._metrics: dict[int, dict[str, float]] = {}
+            self.reporter = IterationReporter(config.num_rollout, self.start_rollout_id)
+        except BaseException:
+            self.lock.release()
+            raise
 
     def _initial_model(self) -> Path:
         record = self.run_dir / "run.json"
@@ -125,7 +131,9 @@ class RLRun:
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     def rollout_ids(self) -> range:
-        return range(self.start_rollout_id, self.config.num_rollout)
+        """The rollouts this run trains: up to num_rollout, at most iterations_per_run of them."""
+        per_run = self.config.iterations_per_run or self.config.num_rollout
+        return range(self.start_rollout_id, min(self.config.num_rollout, self.start_rollout_id + per_run))
 
     def _timed(self, rollout_id: int, phase: str, started: float) -> None:
         self._timings.setdefault(rollout_id, {})[f"time_{phase}"] = time.perf_counter() - started
@@ -164,7 +172,8 @@ class RLRun:
         return (rollout_id + 1) % self.config.update_weights_interval == 0 or rollout_id == self.config.num_rollout - 1
 
     def should_save(self, rollout_id: int) -> bool:
-        return (rollout_id + 1) % self.config.save_interval == 0 or rollout_id == self.config.num_rollout - 1
+        """Every save_interval, and at the end of this run (the next run resumes from there)."""
+        return (rollout_id + 1) % self.config.save_interval == 0 or rollout_id == self.rollout_ids().stop - 1
 
     def save_checkpoint(self, rollout_id: int) -> str:
         state = {"weight_version": rollout_id + 1, "data": self.data_source.state_dict(), "seed": self.config.seed}
@@ -199,10 +208,15 @@ class RLRun:
         self.reporter.update_record(record)
         return record
 
+    def plot_reward_curve(self) -> Path:
+        """<run_dir>/reward_curve.png from metrics.jsonl (the whole run, every start)."""
+        return plot_reward_curve(self.metrics_path, self.run_dir / "reward_curve.png")
+
     def close(self) -> None:
         self.reporter.close()
         self.controller.shutdown()
         ray.kill(self.trainer)
+        self.lock.release()
 
     def __enter__(self) -> "RLRun":
         return self

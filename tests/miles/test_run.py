@@ -93,3 +93,13 @@ def test_update_weights_interval_pushes_every_n_rollouts(ray_session, small_conf
     run_sync(config)
     # Weights reach the engines after rollouts 1 and 3 (and always after the last one).
     assert [m["weight_version"] for m in _metrics(config.run_dir)] == [0, 0, 2, 2]
+
+
+def test_iterations_per_run_trains_a_slice_then_the_next_run_resumes(ray_session, small_config):
+    config = small_config("iterations_per_run=2", num_rollout=5, save_interval=100)
+    first = run_sync(config)
+    assert [r["rollout_id"] for r in first] == [0, 1]
+    assert read_state(latest_checkpoint(config.run_dir))["rollout_id"] == 1  # saved at the end of the slice
+    assert [r["rollout_id"] for r in run_sync(config)] == [2, 3]
+    assert [r["rollout_id"] for r in run_sync(config)] == [4]
+    assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3, 4]

@@ -1,0 +1,68 @@
+"""Serve the RL flows as deployments from one process, each with an optional schedule.
+
+    python -m deployments.serve [--config FILE] [--set a.b=value ...]
+                                [--sync-interval SECONDS | --sync-cron EXPR] [--async-interval SECONDS | --async-cron EXPR]
+
+Deployments `rl-sync/tiny` and `rl-async/tiny` run the config (default: configs/tiny.yaml beside this file), each
+in its own run directory (`<run_dir>-sync`, `<run_dir>-async`), at most one flow run at a time. With
+`iterations_per_run` set, each scheduled run trains that many rollouts and exits; the next resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML run config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value")
+    for name in ("sync", "async"):
+        when = parser.add_mutually_exclusive_group()
+        when.add_argument(f"--{name}-interval", type=float, metavar="SECONDS", help=f"schedule rl-{name} every SECONDS")
+        when.add_argument(f"--{name}-cron", metavar="EXPR", help=f"schedule rl-{name} by a cron expression")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from miles.config import ConfigError, load_config
+
+    try:
+        base = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    from flows.runtime import configure_prefect
+
+    configure_prefect()
+    from prefect import serve
+
+    from flows.async_rl import async_rl
+    from flows.sync_rl import sync_rl
+
+    deployments = []
+    for name, rl_flow in (("sync", sync_rl), ("async", async_rl)):
+        config = base.model_copy(update={"run_dir": f"{base.run_dir}-{name}"})
+        deployments.append(
+            rl_flow.to_deployment(
+                name="tiny",
+                parameters={"config": config.model_dump(mode="json")},
+                interval=getattr(args, f"{name}_interval"),
+                cron=getattr(args, f"{name}_cron"),
+                tags=["rl", name],
+                concurrency_limit=1,  # one flow run per deployment, so per run directory
+                description=f"rl-{name} on {args.config}",
+            )
+        )
+    serve(*deployments)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

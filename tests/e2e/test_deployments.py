@@ -1,0 +1,118 @@
+"""Deployments end to end: a Prefect server on 127.0.0.1, the served deployments, `prefect deployment run`."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from miles.config import load_config
+
+PROJECT = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args, env, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(args, env=env, cwd=PROJECT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    # `prefect serve` and workers may ignore SIGTERM; the whole group goes.
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if result := predicate():
+                return result
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def served(tmp_path, tiny_model_dir):
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               PYTHONPATH=str(PROJECT))
+    server = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path / "server.log")
+    env.update(PREFECT_API_URL=api, PREFECT_RUNNER_POLL_FREQUENCY="1")
+    config_file = tmp_path / "small.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"), "num_rollout": 4, "iterations_per_run": 2, "save_interval": 100,
+        "model": {"path": str(tiny_model_dir)}, "data": {"reward": "digit_match"},
+        "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "num_threads": 1},
+        "train": {"global_batch_size": 16, "micro_batch_size": 16, "num_threads": 1},
+    }))
+    try:
+        _wait(lambda: httpx.get(f"{api}/health").status_code == 200, 90, "the Prefect server")
+        serve = _start([sys.executable, "-m", "deployments.serve", "--config", str(config_file)], env, tmp_path / "serve.log")
+        try:
+            _wait(lambda: httpx.get(f"{api}/deployments/name/rl-sync/tiny").status_code == 200, 90, "the served deployments")
+            yield api, env, config_file
+        finally:
+            _stop(serve)
+    finally:
+        _stop(server)
+
+
+def _deployment_run(env, params: dict) -> str:
+    out = subprocess.run(
+        [PREFECT, "deployment", "run", "rl-sync/tiny", "--param", f"config={json.dumps(params)}", "--watch",
+         "--watch-timeout", "300"],
+        env=env, cwd=PROJECT, capture_output=True, text=True, timeout=330,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
+
+
+def test_deployment_run_records_history_and_resumes(served, tmp_path):
+    api, env, config_file = served
+    params = load_config(config_file).model_dump(mode="json")
+
+    first = _deployment_run(env, params)
+    flow_run = httpx.get(f"{api}/flow_runs/{first}").json()
+    assert flow_run["state_type"] == "COMPLETED"
+    task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [first]}}}).json()
+    names = {t["name"]: t["state_type"] for t in task_runs}
+    for task in ("generate", "get", "train_step", "sync_weights"):
+        assert names[f"{task}[rollout=0]"] == names[f"{task}[rollout=1]"] == "COMPLETED"
+    assert "generate[rollout=2]" not in names  # iterations_per_run=2: this run stops after rollout 1
+    artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [first]}}}).json()
+    kinds = {a["type"] for a in artifacts}
+    assert {"progress", "table", "markdown"} <= kinds
+    summary = next(a for a in artifacts if a["type"] == "markdown")["data"]
+    assert "checkpoints/1" in summary and "reward_curve.png" in summary
+    run_dir = Path(params["run_dir"])
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+
+    second = _deployment_run(env, params)
+    assert second != first
+    rollout_ids = [json.loads(line)["rollout_id"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rollout_ids == [0, 1, 2, 3]
+    assert not (run_dir / "run.lock").exists()
