@@ -53,13 +53,14 @@ def _wait(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture
-def served(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    tmp_path = tmp_path_factory.mktemp("served")
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
-               PYTHONPATH=str(PROJECT))
+               PREFECT_UI_API_URL=api, PYTHONPATH=str(PROJECT))
     server = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path / "server.log")
     env.update(PREFECT_API_URL=api, PREFECT_RUNNER_POLL_FREQUENCY="1")
     config_file = tmp_path / "small.yaml"
@@ -91,11 +92,16 @@ def _deployment_run(env, params: dict) -> str:
     return re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
 
 
-def test_deployment_run_records_history_and_resumes(served, tmp_path):
-    api, env, config_file = served
+@pytest.fixture(scope="module")
+def first_run(served) -> tuple[str, dict]:
+    _, env, config_file = served
     params = load_config(config_file).model_dump(mode="json")
+    return _deployment_run(env, params), params
 
-    first = _deployment_run(env, params)
+
+def test_deployment_run_records_history_and_resumes(served, first_run):
+    api, env, _ = served
+    first, params = first_run
     flow_run = httpx.get(f"{api}/flow_runs/{first}").json()
     assert flow_run["state_type"] == "COMPLETED"
     task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [first]}}}).json()
@@ -116,3 +122,32 @@ def test_deployment_run_records_history_and_resumes(served, tmp_path):
     rollout_ids = [json.loads(line)["rollout_id"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rollout_ids == [0, 1, 2, 3]
     assert not (run_dir / "run.lock").exists()
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (.ci/run installs it)")
+def test_the_ui_shows_the_flow_run_and_its_task_runs(served, first_run, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    api, _, _ = served
+    flow_run_id, _ = first_run
+    ui = api.removesuffix("/api")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM),
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{ui}/runs/flow-run/{flow_run_id}")
+            page.get_by_text("rl-sync").first.wait_for(timeout=60_000)
+            page.get_by_text("Task Runs", exact=True).click()
+            for name in ("generate[rollout=0]", "get[rollout=0]", "train_step[rollout=0]", "sync_weights[rollout=0]"):
+                page.get_by_text(name, exact=True).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(tmp_path / "flow-run.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (tmp_path / "flow-run.png").stat().st_size > 10_000
