@@ -1,4 +1,4 @@
-"""What every RL flow shows in the UI: a progress artifact, a per-iteration metrics table, the final evaluation."""
+"""What every RL flow shows in the UI: progress, a per-iteration metrics table, a markdown summary, the reward curve."""
 
 from __future__ import annotations
 
