@@ -18,10 +18,6 @@ class InferenceController:
         ]
         self._weight_version = weight_version
 
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
-
     def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateResult]:
         """Split the batch into contiguous shards, one per engine, and return results in request order."""
         shard = -(-len(requests) // len(self.engines))

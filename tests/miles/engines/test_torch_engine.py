@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from miles.engines import GenerateRequest, SamplingParams
+from miles.engines import GenerateRequest, RolloutEngine, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.train.actor import TrainActor
@@ -59,6 +59,11 @@ def test_engine_logprobs_equal_trainer_logprobs(engine, tokenizer, tiny_model_di
     assert mask.sum() == sum(len(r.output_ids) for r in results)
     assert torch.allclose(trainer_lp[mask], batch.rollout_logprobs[mask], atol=1e-5)
     assert all(lp <= 0.0 for r in results for lp in r.logprobs)
+
+
+def test_torch_engine_implements_the_engine_protocol(engine):
+    assert isinstance(engine, RolloutEngine)
+    assert engine.health() and engine.weight_version() == 3
 
 
 def test_generation_is_reproducible_per_seed_and_reports_version(engine, tokenizer):
