@@ -2,6 +2,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from miles.run import RLRun
+from tasks.policy import retry_policy
 
 # No tags: in Prefect 3.9 every tagged task run asks the API for concurrency slots of its tags, and a SQLite
 # API answers that call 503 under load, which the client retries after 2 s. Measured on 2 cores: the `gpu`
@@ -13,8 +14,7 @@ from miles.run import RLRun
 @task(
     name="generate",
     task_run_name="generate[rollout={rollout_id}]",
-    retries=2,
-    retry_delay_seconds=1,
+    **retry_policy(2),
     cache_policy=NO_CACHE,
 )
 def generate(run: RLRun, rollout_id: int) -> dict:

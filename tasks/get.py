@@ -3,13 +3,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from miles.run import RLRun
+from tasks.policy import retry_policy
 from tasks.serializers import ArrowIPCSerializer
 
 
 @task(
     name="get",
     task_run_name="get[rollout={rollout_id}]",
-    retries=1,
+    **retry_policy(1),
     cache_policy=NO_CACHE,
     # The rollout's Arrow file in the run dir is the durable copy; a persisted result is never pickled.
     result_serializer=ArrowIPCSerializer(),

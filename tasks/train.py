@@ -3,13 +3,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from miles.run import RLRun
+from tasks.policy import retry_policy
 
 
 @task(
     name="train_step",
     task_run_name="train_step[rollout={rollout_id}]",
-    retries=2,
-    retry_delay_seconds=1,
+    **retry_policy(2),
     cache_policy=NO_CACHE,
 )
 def train_step(run: RLRun, rollout_id: int, table: pa.Table) -> dict:

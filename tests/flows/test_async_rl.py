@@ -48,3 +48,5 @@ def test_a_staleness_bound_of_zero_drops_the_stale_rollout_and_says_so(ray_sessi
     assert state.is_failed()
     assert "dropping 8 groups staler than rollout.max_weight_staleness=0" in state.message + str(state.data)
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0]
+    get_1 = asyncio.run(_task_runs(state.state_details.flow_run_id))["get[rollout=1]"]
+    assert get_1.run_count == 1 and get_1.state.is_failed()  # bad input is not retried
