@@ -45,8 +45,9 @@ def main() -> None:
 
     per_block = args.iterations
     total = per_block * (2 * args.rounds + 1)
-    config = load_config(None, args.overrides, run_dir=tempfile.mkdtemp(prefix="overhead-"), num_rollout=total + 1)
-    config.save_interval = total + 1  # no checkpoint inside the measured blocks
+    # save_interval past the end: no checkpoint inside the measured blocks.
+    config = load_config(None, args.overrides, run_dir=tempfile.mkdtemp(prefix="overhead-"), num_rollout=total + 1,
+                         save_interval=total + 1)
     with RLRun(config) as run:
         ids = iter(run.rollout_ids())
         plain_iteration(run, next(ids))  # warm the actors

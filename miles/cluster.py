@@ -11,7 +11,6 @@ def ensure_ray(address: str | None, actors: int) -> None:
     """Attach to `address`, or start a local Ray sized so that every actor of the run gets a CPU slot."""
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if address:
         ray.init(address=address, log_to_driver=True)
     else:

@@ -80,7 +80,7 @@ class RLRun:
             lost = Ledger(self.run_dir).forget_after(self.start_rollout_id - 1)
             if lost:
                 log.warning("rollouts %s were trained after the last checkpoint; they will be trained again", lost)
-            self._truncate_metrics()
+            self._recorded_ids = self._truncate_metrics()
             self._write_run_record(checkpoint)
 
             ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
@@ -122,13 +122,15 @@ class RLRun:
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
-    def _truncate_metrics(self) -> None:
+    def _truncate_metrics(self) -> set[int]:
+        """Drop metrics.jsonl lines of rollouts that will be trained again; return the rollout_ids kept."""
         if not self.metrics_path.exists():
-            return
+            return set()
         lines = self.metrics_path.read_text().splitlines()
         kept = [line for line in lines if json.loads(line)["rollout_id"] < self.start_rollout_id]
         if len(kept) != len(lines):
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        return {json.loads(line)["rollout_id"] for line in kept}
 
     def rollout_ids(self) -> range:
         """The rollouts this run trains: up to num_rollout, at most iterations_per_run of them."""
@@ -199,12 +201,10 @@ class RLRun:
             **{f"time_{p}": 0.0 for p in ("generate", "get", "train", "sync")},
             **self._timings.pop(rollout_id, {}),
         }
-        recorded = set()
-        if self.metrics_path.exists():
-            recorded = {json.loads(line)["rollout_id"] for line in self.metrics_path.read_text().splitlines()}
-        if rollout_id not in recorded:
+        if rollout_id not in self._recorded_ids:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            self._recorded_ids.add(rollout_id)
         self.reporter.update_record(record)
         return record
 

@@ -143,9 +143,9 @@ class TrainActor:
             metrics["kl_ref"] = sums["kl_ref"] / tokens
         if algo.use_tis:
             raw = torch.exp(trainer_lp - rollout_lp)
-            tis = raw.clamp(algo.tis_clip_low, algo.tis_clip)
+            tis = tis_weights(trainer_lp, rollout_lp, algo.tis_clip_low, algo.tis_clip)
             metrics["tis_weight_mean"] = float((tis * mask_f).sum() / mask_count)
-            metrics["tis_clip_fraction"] = float((((raw < algo.tis_clip_low) | (raw > algo.tis_clip)) * mask_f).sum() / mask_count)
+            metrics["tis_clip_fraction"] = float(((tis != raw) * mask_f).sum() / mask_count)
         self.ledger.record(rollout_id, metrics)
         return metrics
 
