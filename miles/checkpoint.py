@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
 
@@ -68,6 +71,21 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def write_checkpoint(run_dir: str | Path, rollout_id: int, state: dict[str, Any], write_files: Callable[[Path], None]) -> Path:
+    """Write <run_dir>/checkpoints/<rollout_id>/: `write_files(staging)` fills a staging dir, then state.json, then
+    one rename. An existing checkpoint (a retried save) is kept as it is."""
+    target = checkpoint_dir(run_dir, rollout_id)
+    if target.exists():
+        return target
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".staging-{rollout_id}-", dir=root))
+    write_files(staging)
+    write_json_atomic(staging / STATE_FILE, {**state, "rollout_id": rollout_id})
+    commit_checkpoint(staging, target)
+    return target
 
 
 def commit_checkpoint(staging: Path, target: Path) -> None:

@@ -94,6 +94,42 @@ class TrainConfig(_Section):
     num_threads: int = Field(2, gt=0, description="torch threads of the train actor")
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class AdapterConfig(_Section):
+    """One LoRA adapter of the multi-LoRA flow: its own data, reward, optimizer and step budget on the shared base."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,39}$", description="lowercase letters, digits and dashes")
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGET_MODULES), min_length=1)
+    data: DataConfig = DataConfig()
+    lr: float = Field(2e-3, gt=0)
+    num_steps: int = Field(100, gt=0, description="rollouts this adapter trains on before it retires")
+    rollout_batch_size: int = Field(32, gt=0, description="prompts per rollout")
+    n_samples_per_prompt: int = Field(8, gt=0)
+    global_batch_size: int | None = Field(None, gt=0, description="samples per optimizer step; unset: the whole rollout")
+
+    @model_validator(mode="after")
+    def _batch_shape(self) -> "AdapterConfig":
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.global_batch_size is not None and samples % self.global_batch_size:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must divide "
+                f"rollout_batch_size x n_samples_per_prompt ({samples})"
+            )
+        return self
+
+
+def embedded_adapters() -> list[AdapterConfig]:
+    """The multi-LoRA default on the embedded model: one adapter per built-in task."""
+    return [
+        AdapterConfig(name=task, data=DataConfig(task=task, reward="digit_match"), num_steps=60)
+        for task in ("addition", "subtraction")
+    ]
+
+
 class RunConfig(_Section):
     run_dir: str = "runs/tiny"
     seed: int = 0
@@ -109,6 +145,9 @@ class RunConfig(_Section):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
+    adapters: list[AdapterConfig] = Field(
+        default_factory=list, description="LoRA adapters of the multi-LoRA flow; unset on the embedded model: one per built-in task"
+    )
 
     @model_validator(mode="after")
     def _batch_shapes(self) -> "RunConfig":
@@ -125,6 +164,10 @@ class RunConfig(_Section):
                 f"train.micro_batch_size ({self.train.micro_batch_size}) must divide "
                 f"train.global_batch_size ({self.train.global_batch_size})"
             )
+        names = [adapter.name for adapter in self.adapters]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"adapters: names must be unique; repeated: {repeated}")
         return self
 
     @property

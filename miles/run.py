@@ -2,6 +2,9 @@
 
 Flows and the plain loop drive the same calls: generate -> get -> train -> sync_weights per rollout_id,
 then save_checkpoint when due and finish_iteration. Each call is idempotent per rollout_id.
+
+`PolicyRun` is what those calls share with one adapter of the multi-LoRA run (miles.multi_lora): a directory
+with its checkpoints, ledger, rollouts and metrics, resumed after its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -56,67 +59,64 @@ def check_inputs(config: RunConfig) -> tuple[list[dict[str, str]], RewardFn]:
         raise ConfigError(str(exc)) from None
 
 
+def initial_model(run_dir: Path, config: RunConfig, tasks: list[str]) -> Path:
+    """The run's starting model: as recorded in run.json, else model.path, else the embedded model for `tasks`."""
+    record = run_dir / "run.json"
+    if record.exists():
+        return Path(json.loads(record.read_text())["initial_model"])
+    if config.model.path:
+        return Path(config.model.path)
+    return ensure_embedded_model(config.model, tasks, config.seed)
+
+
+def write_run_record(run_dir: Path, config: RunConfig, model: Path, start: dict[str, Any]) -> None:
+    """run.json: the config, the starting model, package versions, and one entry per start of the run."""
+    path = run_dir / "run.json"
+    record = json.loads(path.read_text()) if path.exists() else {"starts": []}
+    record.update(config=config.model_dump(mode="json"), initial_model=str(model), versions=_versions())
+    record["starts"].append({"time": time.time(), **start})
+    write_json_atomic(path, record)
+
+
 def check_off_policy_correction(config: RunConfig) -> None:
     """Training one step off-policy (the async flow) needs a correction for the stale rollout log-probs."""
     if not (config.algo.use_tis or config.algo.use_rollout_logprobs):
         raise ConfigError("the async flow trains off-policy: set algo.use_tis=true or algo.use_rollout_logprobs=true")
 
 
-class RLRun:
-    def __init__(self, config: RunConfig):
+class PolicyRun:
+    """One policy's directory (the full model, or one adapter): resume state, rollouts, metrics and progress.
+
+    `label` prefixes its task run names in the UI; subclasses add the trainer and weight calls.
+    """
+
+    label = ""
+
+    def _resume(self, config: RunConfig) -> Path | None:
+        """Read the latest checkpoint; drop ledger and metrics entries past it. Returns the checkpoint."""
         self.config = config
-        rows, reward_fn = check_inputs(config)
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint = latest_checkpoint(self.run_dir)
+        self.resume_state = read_state(checkpoint) if checkpoint else None
+        self.start_rollout_id = self.resume_state["rollout_id"] + 1 if self.resume_state else 0
+        # Rollouts trained so far; the trainer is at version rollout_id + 1 after training rollout_id.
+        self.trainer_version = self.resume_state["weight_version"] if self.resume_state else 0
+        lost = Ledger(self.run_dir).forget_after(self.start_rollout_id - 1)
+        if lost:
+            log.warning("%srollouts %s were trained after the last checkpoint; they will be trained again", self.label, lost)
+        self._recorded_ids = self._truncate_metrics()
+        self._timings: dict[int, dict[str, float]] = {}
+        self._summaries: dict[int, dict[str, Any]] = {}
+        self._metrics: dict[int, dict[str, float]] = {}
+        return checkpoint
 
-        self.lock = RunLock(self.run_dir)
-        try:
-            self.initial_model = self._initial_model()
-            checkpoint = latest_checkpoint(self.run_dir)
-            state = read_state(checkpoint) if checkpoint else None
-            self.start_rollout_id = state["rollout_id"] + 1 if state else 0
-            weight_version = state["weight_version"] if state else 0
-            self.trainer_version = weight_version  # rollouts trained so far; version rollout_id + 1 after train
-            lost = Ledger(self.run_dir).forget_after(self.start_rollout_id - 1)
-            if lost:
-                log.warning("rollouts %s were trained after the last checkpoint; they will be trained again", lost)
-            self._recorded_ids = self._truncate_metrics()
-            self._write_run_record(checkpoint)
-
-            ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
-            self.trainer = ray.remote(TrainActor).options(**actor_options()).remote(
-                config, str(self.initial_model), str(checkpoint) if checkpoint else None
-            )
-            engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
-            self.controller = InferenceController(str(engine_model), weight_version, config.rollout.num_engines, config.rollout.num_threads)
-            self.data_source = DataSource(rows, seed=config.seed, shuffle=config.data.shuffle)
-            if state:
-                self.data_source.load_state_dict(state["data"])
-            self.store = RolloutStore(self.run_dir)
-            tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
-            self.executor = RolloutExecutor(config, self.controller, tokenizer, self.data_source, self.store, reward_fn)
-            self._timings: dict[int, dict[str, float]] = {}
-            self._summaries: dict[int, dict[str, Any]] = {}
-            self._metrics: dict[int, dict[str, float]] = {}
-            self.reporter = IterationReporter(config.num_rollout, self.start_rollout_id)
-        except BaseException:
-            self.lock.release()
-            raise
-
-    def _initial_model(self) -> Path:
-        record = self.run_dir / "run.json"
-        if record.exists():
-            return Path(json.loads(record.read_text())["initial_model"])
-        if self.config.model.path:
-            return Path(self.config.model.path)
-        return ensure_embedded_model(self.config.model, self.config.data.task, self.config.seed)
-
-    def _write_run_record(self, checkpoint: Path | None) -> None:
-        record_path = self.run_dir / "run.json"
-        record = json.loads(record_path.read_text()) if record_path.exists() else {"starts": []}
-        record.update(config=self.config.model_dump(mode="json"), initial_model=str(self.initial_model), versions=_versions())
-        record["starts"].append({"time": time.time(), "rollout_id": self.start_rollout_id, "checkpoint": str(checkpoint) if checkpoint else None})
-        write_json_atomic(record_path, record)
+    def _start_rollouts(self, controller: InferenceController, tokenizer, rows, reward_fn: RewardFn, adapter: str | None = None) -> None:
+        self.data_source = DataSource(rows, seed=self.config.seed, shuffle=self.config.data.shuffle)
+        if self.resume_state:
+            self.data_source.load_state_dict(self.resume_state["data"])
+        self.store = RolloutStore(self.run_dir)
+        self.executor = RolloutExecutor(self.config, controller, tokenizer, self.data_source, self.store, reward_fn, adapter)
 
     @property
     def metrics_path(self) -> Path:
@@ -156,40 +156,21 @@ class RLRun:
 
     def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
         started = time.perf_counter()
-        metrics = ray.get(self.trainer.train.remote(rollout_id, table))
+        metrics = self._train(rollout_id, table)
         self._metrics[rollout_id] = metrics
         self.trainer_version = rollout_id + 1
         self._timed(rollout_id, "train", started)
         return metrics
 
-    def sync_weights(self, rollout_id: int) -> int:
-        """Push the weights trained on `rollout_id` to every engine as version rollout_id + 1."""
-        started = time.perf_counter()
-        version = rollout_id + 1
-        self.controller.update_weights(self.trainer.weights.remote(), version)
-        self._timed(rollout_id, "sync", started)
-        return version
-
-    def should_sync(self, rollout_id: int) -> bool:
-        return (rollout_id + 1) % self.config.update_weights_interval == 0 or rollout_id == self.config.num_rollout - 1
+    def _train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
+        raise NotImplementedError
 
     def should_save(self, rollout_id: int) -> bool:
         """Every save_interval, and at the end of this run (the next run resumes from there)."""
         return (rollout_id + 1) % self.config.save_interval == 0 or rollout_id == self.rollout_ids().stop - 1
 
-    def save_checkpoint(self, rollout_id: int) -> str:
-        state = {"weight_version": rollout_id + 1, "data": self.data_source.state_dict(), "seed": self.config.seed}
-        return ray.get(self.trainer.save_checkpoint.remote(rollout_id, state))
-
-    def evaluate(self, rollout_id: int, prompts: int = 200) -> dict[str, float]:
-        """Greedy accuracy (plain transformers) of the starting model and of checkpoint `rollout_id`."""
-        if self.config.data.task is None:
-            return {}
-        checkpoint = checkpoint_dir(self.run_dir, rollout_id) / MODEL_DIR
-        return {
-            "greedy_accuracy_initial": evaluate_checkpoint(self.initial_model, self.config.data.task, prompts),
-            "greedy_accuracy_final": evaluate_checkpoint(checkpoint, self.config.data.task, prompts),
-        }
+    def _checkpoint_state(self, rollout_id: int) -> dict[str, Any]:
+        return {"weight_version": rollout_id + 1, "data": self.data_source.state_dict(), "seed": self.config.seed}
 
     def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
         """Append the iteration's record to metrics.jsonl (once per rollout_id) and report progress."""
@@ -211,6 +192,58 @@ class RLRun:
     def plot_reward_curve(self) -> Path:
         """<run_dir>/reward_curve.png from metrics.jsonl (the whole run, every start)."""
         return plot_reward_curve(self.metrics_path, self.run_dir / "reward_curve.png")
+
+
+class RLRun(PolicyRun):
+    """Full-model RL: one TrainActor, engines that take full weight pushes."""
+
+    def __init__(self, config: RunConfig):
+        rows, reward_fn = check_inputs(config)
+        Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+        self.lock = RunLock(config.run_dir)
+        try:
+            checkpoint = self._resume(config)
+            self.initial_model = initial_model(self.run_dir, config, [config.data.task])
+            write_run_record(self.run_dir, config, self.initial_model,
+                             {"rollout_id": self.start_rollout_id, "checkpoint": str(checkpoint) if checkpoint else None})
+            ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
+            self.trainer = ray.remote(TrainActor).options(**actor_options()).remote(
+                config, str(self.initial_model), str(checkpoint) if checkpoint else None
+            )
+            engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
+            self.controller = InferenceController(str(engine_model), self.trainer_version, config.rollout.num_engines, config.rollout.num_threads)
+            self._start_rollouts(self.controller, AutoTokenizer.from_pretrained(self.initial_model), rows, reward_fn)
+            self.reporter = IterationReporter(config.num_rollout, self.start_rollout_id)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
+        return ray.get(self.trainer.train.remote(rollout_id, table))
+
+    def sync_weights(self, rollout_id: int) -> int:
+        """Push the weights trained on `rollout_id` to every engine as version rollout_id + 1."""
+        started = time.perf_counter()
+        version = rollout_id + 1
+        self.controller.update_weights(self.trainer.weights.remote(), version)
+        self._timed(rollout_id, "sync", started)
+        return version
+
+    def should_sync(self, rollout_id: int) -> bool:
+        return (rollout_id + 1) % self.config.update_weights_interval == 0 or rollout_id == self.config.num_rollout - 1
+
+    def save_checkpoint(self, rollout_id: int) -> str:
+        return ray.get(self.trainer.save_checkpoint.remote(rollout_id, self._checkpoint_state(rollout_id)))
+
+    def evaluate(self, rollout_id: int, prompts: int = 200) -> dict[str, float]:
+        """Greedy accuracy (plain transformers) of the starting model and of checkpoint `rollout_id`."""
+        if self.config.data.task is None:
+            return {}
+        checkpoint = checkpoint_dir(self.run_dir, rollout_id) / MODEL_DIR
+        return {
+            "greedy_accuracy_initial": evaluate_checkpoint(self.initial_model, self.config.data.task, prompts),
+            "greedy_accuracy_final": evaluate_checkpoint(checkpoint, self.config.data.task, prompts),
+        }
 
     def close(self) -> None:
         self.reporter.close()

@@ -24,7 +24,7 @@ def tiny_model_dir(model_cache) -> Path:
     from miles.models import ensure_embedded_model
 
     config = ModelConfig(warmup=WarmupConfig(max_steps=100, eval_every=100, target_accuracy=1.0))
-    return ensure_embedded_model(config, "addition", seed=0, cache_root=model_cache)
+    return ensure_embedded_model(config, ["addition"], seed=0, cache_root=model_cache)
 
 
 @pytest.fixture(scope="session")

@@ -18,14 +18,19 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerateRequest:
+    """One sample to generate. Its random draws depend on `seed` only, never on the other requests of a batch,
+    so a retried rollout samples the same tokens and one adapter's new weights leave other adapters' samples alone."""
+
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    adapter: str | None = None
+    adapter: str | None = None  # LoRA adapter name; None generates with the base weights
+    seed: int = 0
 
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """`logprobs[i]` is the log-prob of `output_ids[i]` under the temperature-scaled distribution (before top-p)."""
+    """`logprobs[i]` is the log-prob of `output_ids[i]` under the temperature-scaled distribution (before top-p).
+    `weight_version` is the version of the weights that generated it: the adapter's for an adapter request."""
 
     output_ids: list[int]
     logprobs: list[float]
@@ -35,9 +40,13 @@ class GenerateResult:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateResult]: ...
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None: ...
+
+    def unload_adapter(self, name: str) -> None: ...
 
     def weight_version(self) -> int: ...
 

@@ -1,11 +1,19 @@
-"""TorchEngine: batched sampling with a KV cache on a transformers causal LM, CPU or CUDA."""
+"""TorchEngine: batched sampling with a KV cache on a transformers causal LM, CPU or CUDA.
+
+LoRA adapters are served with peft: every loaded adapter sits on the one base model, and a batch may mix
+requests of several adapters (and of the base), each row running through its own adapter.
+"""
 
 from __future__ import annotations
 
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
 from miles.engines.base import GenerateRequest, GenerateResult
+
+BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
+_MASK32 = 0xFFFFFFFF
 
 
 class TorchEngine:
@@ -16,9 +24,36 @@ class TorchEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
         self.pad_token_id = self.model.config.pad_token_id or 0
         self._weight_version = weight_version
+        self._adapter_versions: dict[str, int] = {}
 
     def weight_version(self) -> int:
         return self._weight_version
+
+    def adapter_versions(self) -> dict[str, int]:
+        return dict(self._adapter_versions)
+
+    @torch.inference_mode()
+    def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
+        """Load (or replace) LoRA adapter `name` from its PEFT state dict and adapter_config.json contents."""
+        lora = LoraConfig(**{k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__})
+        if not isinstance(self.model, PeftModel):
+            self.model = get_peft_model(self.model, lora, adapter_name=name).eval()
+        elif name not in self.model.peft_config:
+            self.model.add_adapter(name, lora)
+        elif self.model.peft_config[name].to_dict() != lora.to_dict():
+            self.model.delete_adapter(name)
+            self.model.add_adapter(name, lora)
+        result = set_peft_model_state_dict(self.model, named_tensors, adapter_name=name)
+        missing = [k for k in result.missing_keys if f".{name}." in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"adapter {name!r}: tensors do not match its config (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
+        self.model.eval()
+        self._adapter_versions[name] = version
+
+    def unload_adapter(self, name: str) -> None:
+        if name in self._adapter_versions:
+            self.model.delete_adapter(name)
+            del self._adapter_versions[name]
 
     def health(self) -> bool:
         return True
@@ -28,13 +63,25 @@ class TorchEngine:
 
     @torch.inference_mode()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        if self._adapter_versions:
+            raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
         self.model.load_state_dict(named_tensors, strict=True)
         self._weight_version = version
 
+    def _adapter_kwargs(self, requests: list[GenerateRequest]) -> dict:
+        names = [r.adapter for r in requests]
+        unknown = sorted({n for n in names if n is not None and n not in self._adapter_versions})
+        if unknown:
+            raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(self._adapter_versions)}")
+        if not isinstance(self.model, PeftModel):
+            return {}
+        return {"adapter_names": [n or BASE_ADAPTER for n in names]}
+
     @torch.inference_mode()
-    def generate(self, requests: list[GenerateRequest], seed: int) -> list[GenerateResult]:
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         if not requests:
             return []
+        adapters = self._adapter_kwargs(requests)
         batch = len(requests)
         dev = self.device
         prompt_lens = torch.tensor([len(r.prompt_ids) for r in requests])
@@ -53,11 +100,13 @@ class TorchEngine:
             stop_ids[i, : len(r.sampling.stop_token_ids)] = torch.tensor(r.sampling.stop_token_ids, dtype=torch.long)
         stop_ids = stop_ids.to(dev)
         needs_top_p = bool((top_p < 1.0).any())
-        generator = torch.Generator(device=dev).manual_seed(seed)
+        row_keys = _row_keys(torch.tensor([r.seed for r in requests], dtype=torch.long)).to(dev)
 
         input_ids, attention = input_ids.to(dev), attention.to(dev)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1, **adapters
+        )
         cache, logits = out.cache, out.logits[:, -1]
         next_pos = positions[:, -1:] + 1
 
@@ -72,7 +121,7 @@ class TorchEngine:
             probs = step_logprobs.exp()
             if needs_top_p:
                 probs = _top_p_filter(probs, top_p)
-            sampled = torch.multinomial(probs, 1, generator=generator)
+            sampled = _sample(probs, _uniform(row_keys, step))
             active = ~done
             tokens[:, step] = torch.where(active, sampled.squeeze(1), self.pad_token_id)
             logprobs[:, step] = torch.where(active, step_logprobs.gather(1, sampled).squeeze(1), 0.0)
@@ -84,7 +133,7 @@ class TorchEngine:
                 break
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=dev)], dim=1)
             out = self.model(
-                input_ids=sampled, attention_mask=attention, position_ids=next_pos, cache=cache, use_cache=True
+                input_ids=sampled, attention_mask=attention, position_ids=next_pos, cache=cache, use_cache=True, **adapters
             )
             cache, logits = out.cache, out.logits[:, -1]
             next_pos = next_pos + 1
@@ -96,9 +145,9 @@ class TorchEngine:
                 output_ids=tokens_list[i][: lengths_list[i]],
                 logprobs=logprobs_list[i][: lengths_list[i]],
                 finish_reason="stop" if stopped_list[i] else "length",
-                weight_version=self._weight_version,
+                weight_version=self._adapter_versions[r.adapter] if r.adapter else self._weight_version,
             )
-            for i in range(batch)
+            for i, r in enumerate(requests)
         ]
 
 
@@ -108,3 +157,30 @@ def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors; products wrap, and the mask keeps the low 32 bits."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _row_keys(seeds: torch.Tensor) -> torch.Tensor:
+    return _mix32(_mix32(seeds) ^ ((seeds >> 32) & _MASK32))
+
+
+def _uniform(row_keys: torch.Tensor, step: int) -> torch.Tensor:
+    """A uniform in [0, 1) per row, a function of (row seed, step) only: counter-based, so batch-independent."""
+    bits = _mix32(row_keys ^ _mix32(torch.full_like(row_keys, step + 0x9E3779B9)))
+    return (bits >> 8).double() / float(1 << 24)
+
+
+def _sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw of one token per row: the first token whose cumulative mass exceeds u * total."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (uniform.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)

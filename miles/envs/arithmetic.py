@@ -11,7 +11,11 @@ def _addition(a: int, b: int) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
-TASKS: dict[str, Callable[[int, int], tuple[str, str]]] = {"addition": _addition}
+def _subtraction(a: int, b: int) -> tuple[str, str]:
+    return f"{a}-{b}=", str(a - b)
+
+
+TASKS: dict[str, Callable[[int, int], tuple[str, str]]] = {"addition": _addition, "subtraction": _subtraction}
 
 
 def task_rows(name: str) -> list[dict[str, str]]:

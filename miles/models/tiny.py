@@ -1,6 +1,6 @@
 """Build the tiny model (Llama architecture) and tokenizer, warm them up with SFT, and cache the result on disk.
 
-The cache key hashes everything that shapes the weights (model shape, warm-up settings, task, seed), so a
+The cache key hashes everything that shapes the weights (model shape, warm-up settings, tasks, seed), so a
 second run reuses the directory and a changed setting builds a new one.
 """
 
@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -63,9 +64,9 @@ def build_tiny_model(config: ModelConfig, vocab_size: int, seed: int) -> LlamaFo
     return LlamaForCausalLM(hf_config)
 
 
-def _cache_key(config: ModelConfig, task: str, seed: int) -> str:
+def _cache_key(config: ModelConfig, tasks: Sequence[str], seed: int) -> str:
     blob = json.dumps(
-        {"v": _BUILD_VERSION, "tiny": config.tiny.model_dump(), "warmup": config.warmup.model_dump(), "task": task, "seed": seed},
+        {"v": _BUILD_VERSION, "tiny": config.tiny.model_dump(), "warmup": config.warmup.model_dump(), "tasks": list(tasks), "seed": seed},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -75,18 +76,19 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("MILES_CACHE", Path.home() / ".cache" / "miles-flow"))
 
 
-def ensure_embedded_model(config: ModelConfig, task: str, seed: int, cache_root: Path | None = None) -> Path:
-    """Return the directory of the warmed-up embedded model, building it once per distinct setting."""
+def ensure_embedded_model(config: ModelConfig, tasks: Sequence[str], seed: int, cache_root: Path | None = None) -> Path:
+    """Return the directory of the embedded model warmed up on the built-in `tasks`, built once per setting."""
     from miles.models.warmup import warm_up
 
+    tasks = sorted(set(tasks))
     root = cache_root or default_cache_root()
-    target = root / f"tiny-{task}-{_cache_key(config, task, seed)}"
+    target = root / f"tiny-{'-'.join(tasks)}-{_cache_key(config, tasks, seed)}"
     if (target / "warmup.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     model = build_tiny_model(config, len(tokenizer), seed)
-    report = warm_up(model, tokenizer, task, config.warmup, seed)
+    report = warm_up(model, tokenizer, tasks, config.warmup, seed)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
         model.save_pretrained(staging)

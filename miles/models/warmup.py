@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -30,17 +31,20 @@ def _sft_tensors(tokenizer, rows) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, labels
 
 
-def warm_up(model, tokenizer, task: str, config: WarmupConfig, seed: int) -> dict:
-    rows = task_rows(task)
+def warm_up(model, tokenizer, tasks: Sequence[str], config: WarmupConfig, seed: int) -> dict:
+    """SFT on the union of the tasks' rows; the held-out set has an equal share of each task."""
+    rows = [row for task in tasks for row in task_rows(task)]
     input_ids, labels = _sft_tensors(tokenizer, rows)
     attention = (input_ids != tokenizer.pad_token_id).long()
-    held_out = eval_rows(task, config.eval_prompts, seed + 1)
+    share = -(-config.eval_prompts // len(tasks))
+    held_out = [row for task in tasks for row in eval_rows(task, share, seed + 1)]
+    task_names = " + ".join(tasks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     started = time.perf_counter()
     accuracy, step = greedy_accuracy(model, tokenizer, held_out), 0
     bar = ProgressLine("warm-up", config.max_steps)
-    bar.note(f"warm-up SFT of the embedded model on {task} until greedy accuracy {config.target_accuracy} (cached after)")
+    bar.note(f"warm-up SFT of the embedded model on {task_names} until greedy accuracy {config.target_accuracy} (cached after)")
     model.train()
     while accuracy < config.target_accuracy and step < config.max_steps:
         idx = torch.randint(len(rows), (config.batch_size,), generator=generator)

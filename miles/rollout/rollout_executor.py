@@ -30,8 +30,10 @@ class RolloutExecutor:
         data_source: DataSource,
         store: RolloutStore,
         reward_fn: RewardFn,
+        adapter: str | None = None,
     ):
         self.config = config
+        self.adapter = adapter
         self.controller = controller
         self.tokenizer = tokenizer
         self.data_source = data_source
@@ -54,8 +56,14 @@ class RolloutExecutor:
         rows = self.data_source.peek(cfg.rollout_batch_size)
         prompt_ids = self.tokenizer([r["prompt"] for r in rows])["input_ids"]
         n = cfg.n_samples_per_prompt
-        requests = [GenerateRequest(prompt_ids=ids, sampling=self.sampling) for ids in prompt_ids for _ in range(n)]
-        results = self.controller.generate(requests, seed=_rollout_seed(self.config.seed, rollout_id))
+        first_index = rollout_id * self.config.samples_per_rollout
+        seed = _rollout_seed(self.config.seed, rollout_id)
+        requests = [
+            GenerateRequest(prompt_ids=ids, sampling=self.sampling, adapter=self.adapter, seed=seed + k * n + j)
+            for k, ids in enumerate(prompt_ids)
+            for j in range(n)
+        ]
+        results = self.controller.generate(requests)
 
         labels = [r["label"] for r in rows for _ in range(n)]
         eos = self.tokenizer.eos_token_id
@@ -67,13 +75,12 @@ class RolloutExecutor:
             raise ValueError(f"data.reward {self.config.data.reward!r} returned {rewards[bad[0]]} for sample {bad[0]} of rollout {rollout_id}")
 
         count = len(results)
-        first_index = rollout_id * self.config.samples_per_rollout
         lengths = [len(r.output_ids) for r in results]
         columns = {
             "rollout_id": pa.array(np.full(count, rollout_id), pa.int64()),
             "sample_index": pa.array(np.arange(first_index, first_index + count), pa.int64()),
             "group_index": pa.array(np.repeat(np.arange(rollout_id * cfg.rollout_batch_size, (rollout_id + 1) * cfg.rollout_batch_size), n), pa.int64()),
-            "adapter": pa.nulls(count, ROLLOUT_SCHEMA.field("adapter").type),
+            "adapter": pa.array([self.adapter] * count, pa.string()).dictionary_encode().cast(ROLLOUT_SCHEMA.field("adapter").type),
             "prompt_ids": pa.array([ids for ids in prompt_ids for _ in range(n)], pa.list_(pa.int32())),
             "response_ids": pa.array([r.output_ids for r in results], pa.list_(pa.int32())),
             "response_length": pa.array(lengths, pa.int32()),
@@ -124,8 +131,8 @@ class RolloutExecutor:
 
 
 def _rollout_seed(run_seed: int, rollout_id: int) -> int:
-    # Fixed per rollout_id, so a retried generate samples the same tokens.
-    return (run_seed * 1_000_003 + rollout_id) % (2**63)
+    # Fixed per rollout_id, so a retried generate samples the same tokens; sample k adds k.
+    return ((run_seed * 1_000_003 + rollout_id) * 1_000_033) % (2**62)
 
 
 def summarize(table: pa.Table) -> dict[str, float]:

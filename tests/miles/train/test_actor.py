@@ -7,14 +7,16 @@ from transformers import AutoTokenizer
 from miles.engines.torch_engine import TorchEngine
 from miles.train.actor import TrainActor
 from miles.train.advantages import grpo_advantages
-from tests.miles.engines.test_torch_engine import _requests, _table
+from miles.train.batch import batch_from_table
+from miles.train.update import batch_logprobs
+from tests.miles.engines.test_torch_engine import _requests, _seeded, _table
 
 
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     requests = _requests(tokenizer, [f"{a}+{a + 3}=" for a in range(8)] * 2)
-    results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(requests, seed=11)
+    results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(_seeded(requests, 11))
     torch.manual_seed(0)
     rewards = torch.rand(len(results)).numpy()
     advantages = grpo_advantages(rewards, torch.arange(len(results)).numpy() // 4).tolist()
@@ -41,12 +43,22 @@ def test_passes_multiply_optimizer_steps(small_config, tiny_model_dir, tmp_path,
     assert metrics["clip_fraction"] >= 0.0 and metrics["entropy"] > 0.0
 
 
-def test_kl_loss_to_the_frozen_reference(small_config, tiny_model_dir, tmp_path, rollout):
-    actor = _actor(small_config, tiny_model_dir, tmp_path, "algo.use_kl_loss=true", "algo.kl_loss_coef=0.5", "train.num_passes=2")
-    metrics = actor.train(0, rollout)
-    # The first pass starts at the reference (KL 0); the second has moved away from it.
-    assert 0.0 < metrics["kl_ref"] < 0.1
-    assert all(not p.requires_grad for p in actor.ref_model.parameters())
+def test_kl_loss_pulls_the_policy_toward_the_frozen_reference(small_config, tiny_model_dir, tmp_path, rollout):
+    batch = batch_from_table(rollout, 0)
+
+    def drift(coef: float) -> tuple[dict, float]:
+        actor = _actor(small_config, tiny_model_dir, tmp_path / str(coef), "algo.use_kl_loss=true",
+                       f"algo.kl_loss_coef={coef}", "train.num_passes=3")
+        metrics = actor.train(0, rollout)
+        gap = batch_logprobs(actor.model, batch, actor.config, actor.device) - batch_logprobs(actor.ref_model, batch, actor.config, actor.device)
+        assert all(not p.requires_grad for p in actor.ref_model.parameters())
+        return metrics, float(gap[batch.response_mask].abs().mean())
+
+    free, free_gap = drift(0.0)
+    pulled, pulled_gap = drift(2.0)
+    # The first pass starts at the reference; later passes have moved away from it, less so under the KL loss.
+    assert free["kl_ref"] > 0.0 and pulled["kl_ref"] > 0.0
+    assert 0.0 < pulled_gap < free_gap
 
 
 def test_rollout_logprobs_as_the_old_policy(small_config, tiny_model_dir, tmp_path, rollout):
@@ -54,3 +66,5 @@ def test_rollout_logprobs_as_the_old_policy(small_config, tiny_model_dir, tmp_pa
     # On-policy in fp32 the engine's log-probs are the trainer's: nothing is clipped on the first step.
     assert metrics["clip_fraction"] == 0.0
     assert metrics["train_rollout_logprob_abs_diff"] < 1e-5
+
+

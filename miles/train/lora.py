@@ -1,0 +1,131 @@
+"""LoRATrainActor: several peft LoRA adapters on one frozen base model, each with its own optimizer and ledger.
+
+A `train(name, rollout_id, table)` call activates that adapter, so only its parameters get gradients and only
+its optimizer steps. Checkpoints hold the adapter as a PEFT directory (`adapter_config.json` +
+`adapter_model.safetensors`) that `PeftModel.from_pretrained(base, dir)` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from miles.checkpoint import ADAPTER_DIR, Ledger, optimizer_from_files, optimizer_to_files, write_checkpoint
+from miles.config import AdapterConfig, RunConfig
+from miles.train.update import batch_logprobs, train_on_rollout
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def lora_config(adapter: AdapterConfig) -> LoraConfig:
+    return LoraConfig(
+        r=adapter.rank,
+        lora_alpha=adapter.alpha,
+        target_modules=list(adapter.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def config_dict(config: LoraConfig) -> dict[str, Any]:
+    """The adapter_config.json contents, JSON-safe (peft keeps target_modules as a set)."""
+    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+@dataclass
+class _Adapter:
+    config: RunConfig  # the adapter's view of the run: its data, batch sizes, lr and directory
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    ledger: Ledger
+
+
+class LoRATrainActor:
+    def __init__(self, config: RunConfig, base_dir: str, device: str = "cpu"):
+        torch.set_num_threads(config.train.num_threads)
+        self.config = config
+        self.device = torch.device(device)
+        self.base_dir = base_dir
+        self.model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(self.device)
+        self.model.requires_grad_(False)
+        self.pad_token_id = self.model.config.pad_token_id or 0
+        self.adapters: dict[str, _Adapter] = {}
+
+    def add_adapter(self, adapter: AdapterConfig, view: RunConfig, checkpoint: str | None = None) -> None:
+        """Create adapter `adapter.name` (seeded from the run seed and its name), or restore it from a checkpoint."""
+        name = adapter.name
+        if name in self.adapters:
+            return
+        lora = lora_config(adapter)
+        torch.manual_seed(zlib.crc32(f"{self.config.seed}:{name}".encode()))
+        if isinstance(self.model, PeftModel):
+            self.model.add_adapter(name, lora)
+        else:
+            self.model = get_peft_model(self.model, lora, adapter_name=name)
+        if checkpoint:
+            weights = load_file(str(Path(checkpoint) / ADAPTER_DIR / ADAPTER_WEIGHTS), device=str(self.device))
+            set_peft_model_state_dict(self.model, weights, adapter_name=name)
+        params = [p for n, p in self.model.named_parameters() if f".{name}." in n]
+        train = view.train
+        optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.adam_betas, weight_decay=train.weight_decay)
+        if checkpoint:
+            optimizer_from_files(optimizer, Path(checkpoint))
+        self.adapters[name] = _Adapter(view, optimizer, params, Ledger(view.run_dir))
+
+    def remove_adapter(self, name: str) -> None:
+        """Drop a retired adapter's weights and optimizer state."""
+        if self.adapters.pop(name, None) is not None:
+            self.model.delete_adapter(name)
+
+    def train(self, name: str, rollout_id: int, table: pa.Table) -> dict[str, float]:
+        """This adapter's optimizer steps on its rollout, once; a repeated call returns the recorded metrics."""
+        adapter = self.adapters[name]
+        if rollout_id in adapter.ledger.trained:
+            return adapter.ledger.trained[rollout_id]
+        self.model.set_adapter(name)
+        self.model.train()
+        reference = None
+        if adapter.config.algo.use_kl_loss:
+            reference = partial(self._base_logprobs, config=adapter.config)
+        metrics = train_on_rollout(
+            self.model, adapter.optimizer, adapter.params, table, adapter.config, self.device, self.pad_token_id, reference
+        )
+        adapter.ledger.record(rollout_id, metrics)
+        return metrics
+
+    def _base_logprobs(self, batch, config: RunConfig) -> torch.Tensor:
+        with self.model.disable_adapter():
+            return batch_logprobs(self.model, batch, config, self.device)
+
+    def adapter_weights(self, name: str) -> dict[str, torch.Tensor]:
+        """The adapter's PEFT state dict (the keys of adapter_model.safetensors), on the CPU."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()}
+
+    def adapter_config(self, name: str) -> dict[str, Any]:
+        return config_dict(self.model.peft_config[name])
+
+    def save_checkpoint(self, name: str, rollout_id: int, state: dict[str, Any]) -> str:
+        """<adapter dir>/checkpoints/<rollout_id>/: `adapter/` (a PEFT directory), the optimizer and the state."""
+        adapter = self.adapters[name]
+        return str(write_checkpoint(adapter.config.run_dir, rollout_id, state, partial(self._write_adapter_files, name)))
+
+    def _write_adapter_files(self, name: str, directory: Path) -> None:
+        target = directory / ADAPTER_DIR
+        target.mkdir()
+        config = self.model.peft_config[name]
+        config.base_model_name_or_path = self.base_dir
+        (target / ADAPTER_CONFIG).write_text(json.dumps(config_dict(config), indent=1))
+        save_file({k: v.contiguous() for k, v in self.adapter_weights(name).items()}, str(target / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        optimizer_to_files(self.adapters[name].optimizer, directory)
