@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-FLOWS = ("sync", "async")
+FLOWS = ("sync", "async", "multi-lora")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides, run_dir=args.run_dir, num_rollout=args.num_rollout)
         from miles.run import check_inputs, check_off_policy_correction
 
-        check_inputs(config)
+        if args.flow == "multi-lora":
+            from miles.multi_lora import check_adapter_inputs
+
+            check_adapter_inputs(config)
+        else:
+            check_inputs(config)
         if args.flow == "async":
             check_off_policy_correction(config)
     except ConfigError as exc:
@@ -40,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_prefect()
     if args.flow == "async":
         from flows.async_rl import async_rl as rl_flow
+    elif args.flow == "multi-lora":
+        from flows.multi_lora import multi_lora as rl_flow
     else:
         from flows.sync_rl import sync_rl as rl_flow
 
@@ -47,15 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     if not state.is_completed():
         print(f"flow run ended {state.name}: {state.message}", file=sys.stderr)
         return 1
-    summary = state.result()
-    if not summary["rollouts_trained"]:
-        print(f"nothing to do: {summary['run_dir']} has trained all {config.num_rollout} rollouts (raise --num-rollout to go on)")
+    result = state.result()
+    summaries = result if args.flow == "multi-lora" else {"": result}
+    if not any(s["rollouts_trained"] for s in summaries.values()):
+        print(f"nothing to do: {config.run_dir} has trained all its rollouts (raise the rollout count to go on)")
         return 0
-    print(f"done: {summary['rollouts_trained']} rollouts trained in {summary['run_dir']}; "
-          f"final reward {summary['final_reward_mean']:.3f}")
-    if "greedy_accuracy_final" in summary:
-        print(f"greedy accuracy on 200 held-out prompts: {summary['greedy_accuracy_initial']:.3f} (starting model) "
-              f"-> {summary['greedy_accuracy_final']:.3f} (final checkpoint)")
+    for name, summary in summaries.items():
+        prefix = f"[{name}] " if name else ""
+        print(f"{prefix}done: {summary['rollouts_trained']} rollouts trained in {summary['run_dir']}; "
+              f"final reward {summary['final_reward_mean']:.3f}")
+        if "greedy_accuracy_final" in summary:
+            print(f"{prefix}greedy accuracy on 200 held-out prompts: {summary['greedy_accuracy_initial']:.3f} (starting model) "
+                  f"-> {summary['greedy_accuracy_final']:.3f} (final checkpoint)")
     return 0
 
 

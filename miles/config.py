@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -173,6 +174,25 @@ class RunConfig(_Section):
     @property
     def samples_per_rollout(self) -> int:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    def adapter_view(self, adapter: AdapterConfig) -> "RunConfig":
+        """The run as one adapter sees it: its data, batch sizes, lr, step budget and seed, in <run_dir>/adapters/<name>."""
+        samples = adapter.rollout_batch_size * adapter.n_samples_per_prompt
+        global_batch = adapter.global_batch_size or samples
+        data = self.model_dump()
+        data.update(
+            run_dir=str(Path(self.run_dir) / "adapters" / adapter.name),
+            seed=(self.seed * 1_000_003 + zlib.crc32(adapter.name.encode())) % 2**31,
+            num_rollout=adapter.num_steps,
+            data=adapter.data.model_dump(),
+            adapters=[],
+        )
+        data["rollout"].update(rollout_batch_size=adapter.rollout_batch_size, n_samples_per_prompt=adapter.n_samples_per_prompt)
+        data["train"].update(lr=adapter.lr, global_batch_size=global_batch, micro_batch_size=min(self.train.micro_batch_size, global_batch))
+        try:
+            return RunConfig.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(_format_validation_error(err, f"adapter {adapter.name!r}")) from None
 
 
 class ConfigError(ValueError):

@@ -40,10 +40,15 @@ def greedy_accuracy(model, tokenizer, rows: list[dict[str, str]], max_new_tokens
     return correct / len(rows)
 
 
-def evaluate_checkpoint(model_dir: str | Path, task: str, n: int = 200, seed: int = 1234) -> float:
-    """Greedy accuracy of a Hugging Face model directory on `n` random prompts of the task."""
+def evaluate_checkpoint(model_dir: str | Path, task: str, n: int = 200, seed: int = 1234, adapter_dir: str | Path | None = None) -> float:
+    """Greedy accuracy of a Hugging Face model directory (with a PEFT adapter directory on top, if given) on `n`
+    random prompts of the task."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
     return greedy_accuracy(model, tokenizer, eval_rows(task, n, seed))

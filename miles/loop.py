@@ -1,10 +1,11 @@
-"""The sync RL loop in plain Python: the same calls the Prefect flow makes, without Prefect."""
+"""The RL loops in plain Python: the same calls the Prefect flows make, without Prefect."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from miles.config import RunConfig
+from miles.multi_lora import AdapterRun, MultiLoRARun
 from miles.run import RLRun
 
 
@@ -24,4 +25,31 @@ def run_sync(config: RunConfig) -> list[dict[str, Any]]:
         for rollout_id in run.rollout_ids():
             sync_iteration(run, rollout_id)
             records.append(run.finish_iteration(rollout_id))
+        return records
+
+
+def adapter_iteration(branch: AdapterRun, rollout_id: int) -> None:
+    """One rollout of one adapter; its last rollout retires it instead of pushing it."""
+    branch.generate(rollout_id)
+    table = branch.get(rollout_id)
+    branch.train(rollout_id, table)
+    if not branch.is_last(rollout_id):
+        branch.push_adapter(rollout_id)
+    if branch.should_save(rollout_id):
+        branch.save_checkpoint(rollout_id)
+    if branch.is_last(rollout_id):
+        branch.retire()
+
+
+def run_multi_lora(config: RunConfig) -> dict[str, list[dict[str, Any]]]:
+    """The adapters take turns, one rollout each, until every adapter has trained its rollouts."""
+    with MultiLoRARun(config) as run:
+        records: dict[str, list[dict[str, Any]]] = {name: [] for name in run.adapters}
+        pending = {branch.name: list(branch.rollout_ids()) for branch in run.active()}
+        while any(pending.values()):
+            for name, rollout_ids in pending.items():
+                if rollout_ids:
+                    rollout_id = rollout_ids.pop(0)
+                    adapter_iteration(run.adapters[name], rollout_id)
+                    records[name].append(run.adapters[name].finish_iteration(rollout_id))
         return records

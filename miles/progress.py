@@ -25,6 +25,7 @@ class ProgressLine:
     def __init__(self, label: str, total: int, done: int = 0, echo_updates: bool = True):
         self.label = label
         self.echo_updates = echo_updates
+        self.completed = done
         self.progress = None
         if sys.stdout.isatty():
             self.progress = Progress(
@@ -35,6 +36,7 @@ class ProgressLine:
             self.progress.start()
 
     def update(self, completed: int, status: str = "") -> None:
+        self.completed = completed
         if self.progress is not None:
             self.progress.update(self.task, completed=completed, description=status)
         elif self.echo_updates and status:
@@ -59,3 +61,16 @@ class IterationReporter(ProgressLine):
     def update_record(self, record: dict) -> None:
         self.note(format_record(record, self.total))
         self.update(record["rollout_id"] + 1, f"reward {record['reward_mean']:.3f}")
+
+
+class AdapterReporter:
+    """One adapter's iteration lines on the multi-LoRA run's shared bar (one step per trained rollout)."""
+
+    def __init__(self, bar: ProgressLine, name: str, total: int):
+        self.bar = bar
+        self.name = name
+        self.total = total
+
+    def update_record(self, record: dict) -> None:
+        self.bar.note(f"[{self.name}] {format_record(record, self.total)}")
+        self.bar.update(self.bar.completed + 1, f"{self.name} reward {record['reward_mean']:.3f}")

@@ -176,6 +176,7 @@ class PolicyRun:
         """Append the iteration's record to metrics.jsonl (once per rollout_id) and report progress."""
         record = {
             "rollout_id": rollout_id,
+            **({"adapter": self.executor.adapter} if self.executor.adapter else {}),
             "finished_at": time.time(),
             **self._summaries.pop(rollout_id, {}),
             **self._metrics.pop(rollout_id, {}),

@@ -1,7 +1,7 @@
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from miles.run import RLRun
+from miles.run import PolicyRun
 from tasks.policy import retry_policy
 
 # No tags: in Prefect 3.9 every tagged task run asks the API for concurrency slots of its tags, and a SQLite
@@ -13,10 +13,10 @@ from tasks.policy import retry_policy
 
 @task(
     name="generate",
-    task_run_name="generate[rollout={rollout_id}]",
+    task_run_name="generate[{run.label}rollout={rollout_id}]",
     **retry_policy(2),
     cache_policy=NO_CACHE,
 )
-def generate(run: RLRun, rollout_id: int) -> dict:
+def generate(run: PolicyRun, rollout_id: int) -> dict:
     """Sample, score and store rollout `rollout_id` (a stored rollout is reused, never regenerated)."""
     return run.generate(rollout_id)

@@ -11,6 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from transformers import AutoModelForCausalLM
 
 from miles.engines.base import GenerateRequest, GenerateResult
+from miles.train.lora import is_adapter_key
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 _MASK32 = 0xFFFFFFFF
@@ -32,7 +33,7 @@ class TorchEngine:
     def adapter_versions(self) -> dict[str, int]:
         return dict(self._adapter_versions)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: peft flips requires_grad on adapter tensors when one is deleted
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
         """Load (or replace) LoRA adapter `name` from its PEFT state dict and adapter_config.json contents."""
         lora = LoraConfig(**{k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__})
@@ -44,16 +45,20 @@ class TorchEngine:
             self.model.delete_adapter(name)
             self.model.add_adapter(name, lora)
         result = set_peft_model_state_dict(self.model, named_tensors, adapter_name=name)
-        missing = [k for k in result.missing_keys if f".{name}." in k]
+        missing = [k for k in result.missing_keys if is_adapter_key(k, name)]
         if missing or result.unexpected_keys:
             raise ValueError(f"adapter {name!r}: tensors do not match its config (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
         self.model.eval()
         self._adapter_versions[name] = version
 
     def unload_adapter(self, name: str) -> None:
-        if name in self._adapter_versions:
+        if name not in self._adapter_versions:
+            return
+        del self._adapter_versions[name]
+        if self._adapter_versions:
             self.model.delete_adapter(name)
-            del self._adapter_versions[name]
+        else:  # the last one: back to the plain base model, which takes full weight pushes again
+            self.model = self.model.unload().eval()
 
     def health(self) -> bool:
         return True

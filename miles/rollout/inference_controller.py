@@ -33,12 +33,16 @@ class InferenceController:
             for _ in range(num_engines)
         ]
         self._weight_version = weight_version
+        self._adapter_versions: dict[str, int] = {}
         self._pending: list[_Call] = []
         self._pending_lock = threading.Lock()
         self._engines_busy = threading.Lock()  # held while a batch or a weight push is on the engines
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order. The caller that gets the engines first generates every pending call."""
+        unknown = sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in self._adapter_versions})
+        if unknown:  # refused before merging, so that a bad caller never fails the callers batched with it
+            raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(self._adapter_versions)}")
         call = _Call(requests)
         with self._pending_lock:
             self._pending.append(call)
@@ -85,13 +89,18 @@ class InferenceController:
         self._weight_version = version
 
     def load_adapter(self, name: str, tensors_ref: ray.ObjectRef, config: dict, version: int) -> None:
-        """Load or replace LoRA adapter `name` on every engine; the other adapters are untouched."""
+        """Load or replace LoRA adapter `name` on every engine as `version`; the other adapters are untouched,
+        and a push of the version the engines hold is skipped."""
+        if self._adapter_versions.get(name) == version:
+            return
         with self._engines_busy:
             ray.get([engine.load_adapter.remote(name, tensors_ref, config, version) for engine in self.engines])
+        self._adapter_versions[name] = version
 
     def unload_adapter(self, name: str) -> None:
         with self._engines_busy:
             ray.get([engine.unload_adapter.remote(name) for engine in self.engines])
+        self._adapter_versions.pop(name, None)
 
     def shutdown(self) -> None:
         for engine in self.engines:

@@ -8,6 +8,7 @@ its optimizer steps. Checkpoints hold the adapter as a PEFT directory (`adapter_
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +27,11 @@ from miles.train.update import batch_logprobs, train_on_rollout
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_key(key: str, adapter: str) -> bool:
+    """Whether a parameter or state-dict key belongs to LoRA adapter `adapter` (peft names them lora_A.<adapter>....)."""
+    return re.search(rf"\.lora_\w+\.{re.escape(adapter)}\.", key) is not None
 
 
 def lora_config(adapter: AdapterConfig) -> LoraConfig:
@@ -77,7 +83,7 @@ class LoRATrainActor:
         if checkpoint:
             weights = load_file(str(Path(checkpoint) / ADAPTER_DIR / ADAPTER_WEIGHTS), device=str(self.device))
             set_peft_model_state_dict(self.model, weights, adapter_name=name)
-        params = [p for n, p in self.model.named_parameters() if f".{name}." in n]
+        params = [p for n, p in self.model.named_parameters() if is_adapter_key(n, name)]
         train = view.train
         optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.adam_betas, weight_decay=train.weight_decay)
         if checkpoint:

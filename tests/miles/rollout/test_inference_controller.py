@@ -1,0 +1,172 @@
+"""InferenceController on Ray: concurrent callers are merged into one batch and each gets its own results."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from peft import get_peft_model, get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from miles.config import AdapterConfig
+from miles.rollout.inference_controller import InferenceController
+from miles.train.lora import config_dict, lora_config
+from tests.miles.engines.test_torch_engine import _requests, _seeded
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def controller(ray_session, tiny_model_dir):
+    """Two engines, so that a merged batch is also split differently across engines than each call alone."""
+    controller = InferenceController(str(tiny_model_dir), weight_version=2, num_engines=2, num_threads=1)
+    yield controller
+    controller.shutdown()
+
+
+def _lora(tiny_model_dir, seed: int):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = get_peft_model(base, lora_config(AdapterConfig(name="x")))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        k: (torch.randn(v.shape, generator=gen) * 0.5 if "lora_B" in k else v.detach().clone())
+        for k, v in get_peft_model_state_dict(model).items()
+    }
+    return tensors, config_dict(model.peft_config["default"])
+
+
+def _assert_same_samples(got, expected):
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert (g.output_ids, g.finish_reason, g.weight_version) == (e.output_ids, e.finish_reason, e.weight_version)
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
+
+
+def _concurrently(controller, monkeypatch, calls: dict[str, list]) -> tuple[dict[str, list], list[int]]:
+    """Run `controller.generate(calls[k])` in one thread per key. The first batch waits on the engines until every
+    other caller is queued, so those callers are all merged into the second batch. Returns results and batch sizes."""
+    original = controller._generate_on_engines
+    batches: list[int] = []
+    first_started = threading.Event()
+
+    def spy(requests):
+        batches.append(len(requests))
+        if len(batches) == 1:
+            first_started.set()
+            deadline = time.monotonic() + 30
+            while len(controller._pending) < len(calls) - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return original(requests)
+
+    monkeypatch.setattr(controller, "_generate_on_engines", spy)
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def call(key):
+        try:
+            results[key] = controller.generate(calls[key])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    keys = list(calls)
+    threads = [threading.Thread(target=call, args=(k,)) for k in keys]
+    threads[0].start()
+    assert first_started.wait(30)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(60)
+    monkeypatch.undo()
+    assert not errors, errors
+    return results, batches
+
+
+def test_concurrent_callers_get_their_own_results_in_order(controller, tokenizer, monkeypatch):
+    calls = {
+        "x": _seeded(_requests(tokenizer, ["1+2=", "45+67=", "12+"] * 2, max_new_tokens=6), 1),
+        "y": _seeded(_requests(tokenizer, ["9+99=", "3+4="] * 3, max_new_tokens=6), 2),
+        "z": _seeded(_requests(tokenizer, ["70+1=", "5+", "66+33="], max_new_tokens=6), 3),
+    }
+    alone = {k: controller.generate(v) for k, v in calls.items()}
+    together, batches = _concurrently(controller, monkeypatch, calls)
+    assert batches == [len(calls["x"]), len(calls["y"]) + len(calls["z"])]  # y and z shared one batch
+    for key in calls:
+        _assert_same_samples(together[key], alone[key])
+    assert {r.weight_version for rs in together.values() for r in rs} == {2}
+
+
+def test_two_threads_at_once_without_orchestration(controller, tokenizer):
+    calls = [
+        _seeded(_requests(tokenizer, ["1+2=", "45+67="] * 4, max_new_tokens=8), 5),
+        _seeded(_requests(tokenizer, ["9+99="] * 5, max_new_tokens=8), 6),
+    ]
+    alone = [controller.generate(c) for c in calls]
+    barrier = threading.Barrier(len(calls))
+    results: list = [None] * len(calls)
+
+    def call(i):
+        barrier.wait()
+        results[i] = controller.generate(calls[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for got, expected in zip(results, alone):
+        _assert_same_samples(got, expected)
+
+
+def test_concurrent_callers_of_two_adapters(controller, tokenizer, tiny_model_dir, monkeypatch):
+    (ta, ca), (tb, cb) = _lora(tiny_model_dir, 1), _lora(tiny_model_dir, 2)
+    controller.load_adapter("a", ray.put(ta), ca, 7)
+    controller.load_adapter("b", ray.put(tb), cb, 8)
+    # Left loaded: base requests are unaffected by loaded adapters (the engine's adapter tests check that).
+    plain = _seeded(_requests(tokenizer, ["1+2=", "45+67=", "12+", "9+99="], max_new_tokens=6), 4)
+    calls = {
+        "base": plain,
+        "a": [dataclasses.replace(r, adapter="a") for r in plain],
+        "b": [dataclasses.replace(r, adapter="b") for r in plain],
+    }
+    alone = {k: controller.generate(v) for k, v in calls.items()}
+    assert {r.weight_version for r in alone["a"]} == {7}
+    assert {r.weight_version for r in alone["b"]} == {8}
+    assert {r.weight_version for r in alone["base"]} == {2}
+    assert [r.logprobs for r in alone["a"]] != [r.logprobs for r in alone["b"]]
+    assert [r.logprobs for r in alone["a"]] != [r.logprobs for r in alone["base"]]
+
+    together, batches = _concurrently(controller, monkeypatch, calls)
+    assert batches == [len(plain), 2 * len(plain)]  # the a and b callers shared one mixed-adapter batch
+    for key in calls:
+        _assert_same_samples(together[key], alone[key])
+
+
+def test_a_bad_caller_is_refused_without_failing_concurrent_callers(controller, tokenizer):
+    good = _seeded(_requests(tokenizer, ["1+2=", "45+67="], max_new_tokens=4), 8)
+    bad = [dataclasses.replace(r, adapter="never-loaded") for r in good]
+    expected = controller.generate(good)
+    outcome: dict[str, object] = {}
+    start = threading.Barrier(2)
+
+    def call(key, requests):
+        start.wait()
+        try:
+            outcome[key] = controller.generate(requests)
+        except ValueError as exc:
+            outcome[key] = exc
+
+    threads = [threading.Thread(target=call, args=kv) for kv in (("bad", bad), ("good", good))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(outcome["bad"], ValueError) and "never-loaded" in str(outcome["bad"])
+    assert not controller._pending  # the refused call never joined a batch
+    _assert_same_samples(outcome["good"], expected)
