@@ -2,10 +2,12 @@
 
     python -m deployments.serve [--config FILE] [--set a.b=value ...]
                                 [--sync-interval SECONDS | --sync-cron EXPR] [--async-interval SECONDS | --async-cron EXPR]
+                                [--multi-lora-interval SECONDS | --multi-lora-cron EXPR]
 
-Deployments `rl-sync/tiny` and `rl-async/tiny` run the config (default: configs/tiny.yaml beside this file), each
-in its own run directory (`<run_dir>-sync`, `<run_dir>-async`), at most one flow run at a time. With
-`iterations_per_run` set, each scheduled run trains that many rollouts and exits; the next resumes.
+Deployments `rl-sync/tiny`, `rl-async/tiny` and `rl-multi-lora/tiny` run the config (default: configs/tiny.yaml
+beside this file), each in its own run directory (`<run_dir>-sync`, `<run_dir>-async`, `<run_dir>-multi-lora`),
+at most one flow run at a time. With `iterations_per_run` set, each scheduled run trains that many rollouts (per
+adapter, for multi-LoRA) and exits; the next resumes.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import sys
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
+FLOW_NAMES = ("sync", "async", "multi-lora")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML run config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value")
-    for name in ("sync", "async"):
+    for name in FLOW_NAMES:
         when = parser.add_mutually_exclusive_group()
         when.add_argument(f"--{name}-interval", type=float, metavar="SECONDS", help=f"schedule rl-{name} every SECONDS")
         when.add_argument(f"--{name}-cron", metavar="EXPR", help=f"schedule rl-{name} by a cron expression")
@@ -44,17 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     from prefect import serve
 
     from flows.async_rl import async_rl
+    from flows.multi_lora import multi_lora
     from flows.sync_rl import sync_rl
 
     deployments = []
-    for name, rl_flow in (("sync", sync_rl), ("async", async_rl)):
+    for name, rl_flow in zip(FLOW_NAMES, (sync_rl, async_rl, multi_lora)):
         config = base.model_copy(update={"run_dir": f"{base.run_dir}-{name}"})
+        option = name.replace("-", "_")
         deployments.append(
             rl_flow.to_deployment(
                 name="tiny",
                 parameters={"config": config.model_dump(mode="json")},
-                interval=getattr(args, f"{name}_interval"),
-                cron=getattr(args, f"{name}_cron"),
+                interval=getattr(args, f"{option}_interval"),
+                cron=getattr(args, f"{option}_cron"),
                 tags=["rl", name],
                 concurrency_limit=1,  # one flow run per deployment, so per run directory
                 description=f"rl-{name} on {args.config}",

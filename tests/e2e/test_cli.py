@@ -31,9 +31,15 @@ def test_bad_config_fails_before_any_work_and_names_the_field(tmp_path):
     out = _miles("run", "async", "--set", "algo.use_tis=false", cwd=tmp_path)
     assert out.returncode == 2 and "algo.use_tis" in out.stderr
 
+    out = _miles("run", "multi-lora", "--set", "adapters=[{name: x, global_batch_size: 7}]", cwd=tmp_path)
+    assert out.returncode == 2 and "adapters.0" in out.stderr and "global_batch_size (7)" in out.stderr
+
     missing = tmp_path / "nope.jsonl"
     out = _miles("run", "sync", "--set", "data.task=null", "--set", f"data.path={missing}", "--set", "model.path=/x", cwd=tmp_path)
     assert out.returncode == 2 and str(missing) in out.stderr
+    out = _miles("run", "multi-lora", "--set", f"adapters=[{{name: x, data: {{task: null, path: {missing}}}}}]",
+                 "--set", "model.path=/x", cwd=tmp_path)
+    assert out.returncode == 2 and "adapters.0 (x)" in out.stderr and str(missing) in out.stderr
 
 
 def test_cli_runs_the_flow_with_a_project_local_prefect_home(tmp_path, tiny_model_dir):
