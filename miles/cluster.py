@@ -23,6 +23,10 @@ def ensure_ray(address: str | None, actors: int) -> None:
         )
 
 
-def actor_options() -> dict:
-    # One logical CPU per actor: Ray schedules, torch.set_num_threads decides the real threads.
-    return {"num_cpus": 1, "max_concurrency": 1}
+def actor_options(device: str = "cpu") -> dict:
+    # One logical CPU per actor: Ray schedules, torch.set_num_threads decides the real threads. A CUDA actor asks
+    # for a sliver of a GPU, so that Ray exposes one to it and the engine and trainer can share it.
+    options = {"num_cpus": 1, "max_concurrency": 1}
+    if device.startswith("cuda"):
+        options["num_gpus"] = 0.01
+    return options

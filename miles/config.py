@@ -65,6 +65,7 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(4, gt=0)
     num_threads: int = Field(2, gt=0, description="torch threads of each engine actor")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the engines: cpu or cuda")
     max_weight_staleness: int | None = Field(
         None, ge=0, description="get drops groups generated more than this many weight versions behind the trainer"
     )
@@ -93,6 +94,7 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(256, gt=0, description="samples per forward/backward")
     num_passes: int = Field(1, gt=0, description="passes over each rollout")
     num_threads: int = Field(2, gt=0, description="torch threads of the train actor")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the trainer: cpu or cuda")
 
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -124,9 +126,10 @@ class AdapterConfig(_Section):
 
 
 def embedded_adapters() -> list[AdapterConfig]:
-    """The multi-LoRA default on the embedded model: one adapter per built-in task."""
+    """The multi-LoRA default on the embedded model: one adapter per built-in task, each its own reward signal."""
     return [
-        AdapterConfig(name=task, data=DataConfig(task=task, reward="digit_match"), num_steps=60)
+        AdapterConfig(name=task, data=DataConfig(task=task), lr=3e-3, num_steps=100, rollout_batch_size=64,
+                      n_samples_per_prompt=8, global_batch_size=256)
         for task in ("addition", "subtraction")
     ]
 

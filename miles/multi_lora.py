@@ -125,8 +125,12 @@ class MultiLoRARun:
             tasks = sorted({a.data.task for a in config.adapters if a.data.task is not None})
             self.initial_model = initial_model(self.run_dir, config, tasks)
             ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
-            self.trainer = ray.remote(LoRATrainActor).options(**actor_options()).remote(config, str(self.initial_model))
-            self.controller = InferenceController(str(self.initial_model), 0, config.rollout.num_engines, config.rollout.num_threads)
+            self.trainer = ray.remote(LoRATrainActor).options(**actor_options(config.train.device)).remote(
+                config, str(self.initial_model), config.train.device
+            )
+            self.controller = InferenceController(
+                str(self.initial_model), 0, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device
+            )
             self.tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
             total = sum(a.num_steps for a in config.adapters)
             self.progress = ProgressLine("multi-LoRA", total, echo_updates=False)

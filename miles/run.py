@@ -208,11 +208,13 @@ class RLRun(PolicyRun):
             write_run_record(self.run_dir, config, self.initial_model,
                              {"rollout_id": self.start_rollout_id, "checkpoint": str(checkpoint) if checkpoint else None})
             ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
-            self.trainer = ray.remote(TrainActor).options(**actor_options()).remote(
-                config, str(self.initial_model), str(checkpoint) if checkpoint else None
+            self.trainer = ray.remote(TrainActor).options(**actor_options(config.train.device)).remote(
+                config, str(self.initial_model), str(checkpoint) if checkpoint else None, config.train.device
             )
             engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
-            self.controller = InferenceController(str(engine_model), self.trainer_version, config.rollout.num_engines, config.rollout.num_threads)
+            self.controller = InferenceController(
+                str(engine_model), self.trainer_version, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device
+            )
             self._start_rollouts(self.controller, AutoTokenizer.from_pretrained(self.initial_model), rows, reward_fn)
             self.reporter = IterationReporter(config.num_rollout, self.start_rollout_id)
         except BaseException:

@@ -26,10 +26,12 @@ class _Call:
 
 
 class InferenceController:
-    def __init__(self, model_dir: str, weight_version: int, num_engines: int, num_threads: int):
+    def __init__(self, model_dir: str, weight_version: int, num_engines: int, num_threads: int, device: str = "cpu"):
         engine_cls = ray.remote(TorchEngine)
         self.engines = [
-            engine_cls.options(**actor_options()).remote(model_dir, weight_version=weight_version, num_threads=num_threads)
+            engine_cls.options(**actor_options(device)).remote(
+                model_dir, weight_version=weight_version, device=device, num_threads=num_threads
+            )
             for _ in range(num_engines)
         ]
         self._weight_version = weight_version

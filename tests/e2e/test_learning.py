@@ -46,3 +46,23 @@ def test_async_flow_learns_addition(ray_session, prefect_api, tmp_path, model_ca
     config = load_config(None, ["rollout.num_threads=1", "train.num_threads=1"], run_dir=str(tmp_path / "run"))
     assert async_rl(config, return_state=True).is_completed()
     _check_learning(config)
+
+
+def test_multi_lora_flow_learns_both_tasks(ray_session, prefect_api, tmp_path, model_cache_env):
+    """The embedded multi-LoRA default: an addition and a subtraction adapter on one base, trained in one flow run."""
+    from flows.multi_lora import multi_lora
+
+    config = load_config(None, ["rollout.num_threads=1", "train.num_threads=1"], run_dir=str(tmp_path / "run"))
+    state = multi_lora(config, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    reports = {}
+    for name in ("addition", "subtraction"):
+        lines = (tmp_path / "run" / "adapters" / name / "metrics.jsonl").read_text().splitlines()
+        rewards = [json.loads(line)["reward_mean"] for line in lines]
+        assert len(rewards) == 100
+        reports[name] = {"first25": sum(rewards[:25]) / 25, "last25": sum(rewards[-25:]) / 25, **summary[name]}
+    print(reports)
+    for name, report in reports.items():
+        assert report["last25"] - report["first25"] >= 0.04, (name, report)
+        assert report["greedy_accuracy_final"] > report["greedy_accuracy_initial"], (name, report)
