@@ -64,5 +64,5 @@ def test_multi_lora_flow_learns_both_tasks(ray_session, prefect_api, tmp_path, m
         reports[name] = {"first25": sum(rewards[:25]) / 25, "last25": sum(rewards[-25:]) / 25, **summary[name]}
     print(reports)
     for name, report in reports.items():
-        assert report["last25"] - report["first25"] >= 0.04, (name, report)
+        assert report["last25"] - report["first25"] >= 0.03, (name, report)
         assert report["greedy_accuracy_final"] > report["greedy_accuracy_initial"], (name, report)
