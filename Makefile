@@ -24,7 +24,7 @@ test: install
 ui: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
-# The UI plus the served deployments (rl-sync/tiny, rl-async/tiny); Ctrl-C stops both.
+# The UI plus the served deployments (rl-sync/tiny, rl-async/tiny, rl-multi-lora/tiny); Ctrl-C stops both.
 server: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200 & server=$$!; \
 	trap "kill $$server" EXIT; \
