@@ -176,3 +176,42 @@ def test_file_errors_name_the_file(tmp_path):
     message = _message(path=path)
     assert str(path) in message
     assert "train.lrr" in message
+
+
+ADAPTERS = "adapters=[{name: add, lr: 0.01, num_steps: 7, rollout_batch_size: 4, n_samples_per_prompt: 2}, {name: sub-2, data: {task: subtraction}, global_batch_size: 64}]"
+
+
+def test_adapter_view_is_the_run_as_the_adapter_sees_it(tmp_path):
+    config = load_config(None, [ADAPTERS, "train.micro_batch_size=32", "seed=3"], run_dir=str(tmp_path / "run"))
+    add, sub = (config.adapter_view(a) for a in config.adapters)
+    assert add.run_dir == str(tmp_path / "run" / "adapters" / "add") and add.num_rollout == 7
+    assert (add.rollout.rollout_batch_size, add.rollout.n_samples_per_prompt) == (4, 2)
+    # The whole rollout per optimizer step unless the adapter says otherwise; micro-batches never exceed it.
+    assert (add.train.lr, add.train.global_batch_size, add.train.micro_batch_size) == (0.01, 8, 8)
+    assert (sub.train.global_batch_size, sub.train.micro_batch_size, sub.data.task) == (64, 32, "subtraction")
+    assert add.adapters == [] and add.seed != sub.seed != config.seed  # each adapter samples and shuffles its own way
+    assert config.adapter_view(config.adapters[0]) == add
+
+
+@pytest.mark.parametrize(
+    ("adapters", "message"),
+    [
+        ("[{name: Add}]", "adapters.0.name"),
+        ("[{name: a}, {name: a}]", "names must be unique"),
+        ("[{name: a, global_batch_size: 7}]", "global_batch_size (7) must divide rollout_batch_size x n_samples_per_prompt (256)"),
+        ("[{name: a, rank: 0}]", "adapters.0.rank"),
+        ("[{name: a, target_modules: []}]", "adapters.0.target_modules"),
+    ],
+)
+def test_bad_adapters_are_named(adapters, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"adapters={adapters}"])
+    assert message in str(info.value)
+
+
+def test_adapter_view_names_the_adapter_when_shared_settings_do_not_fit():
+    config = load_config(None, ["adapters=[{name: a, global_batch_size: 64}]", "train.micro_batch_size=48",
+                                "train.global_batch_size=48", "rollout.rollout_batch_size=6"])
+    with pytest.raises(ConfigError, match="adapter 'a'") as info:
+        config.adapter_view(config.adapters[0])
+    assert "train.micro_batch_size (48) must divide train.global_batch_size (64)" in str(info.value)

@@ -1,0 +1,39 @@
+"""miles.multi_lora input checks (the runs themselves: tests/flows/test_multi_lora.py, tests/e2e/test_learning.py)."""
+
+import pytest
+
+from miles.config import ConfigError, load_config
+from miles.multi_lora import check_adapter_inputs, resolve_adapters
+
+
+def test_embedded_model_defaults_to_one_adapter_per_built_in_task():
+    adapters = resolve_adapters(load_config(None))
+    assert [(a.name, a.data.task) for a in adapters] == [("addition", "addition"), ("subtraction", "subtraction")]
+
+
+def test_own_model_needs_adapters():
+    with pytest.raises(ConfigError, match="adapters: the multi-LoRA flow needs at least one adapter"):
+        resolve_adapters(load_config(None, ["model.path=/models/base"]))
+
+
+def test_embedded_model_needs_built_in_tasks(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    config = load_config(None, [f"adapters=[{{name: mine, data: {{task: null, path: {data}}}}}]"])
+    with pytest.raises(ConfigError, match=r"adapters\.0\.data\.task: .*'mine'"):
+        check_adapter_inputs(config)
+
+
+def test_each_adapter_gets_its_rows_and_reward(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"q": "1+1=", "a": "2"}\n{"q": "2+2=", "a": "4"}\n')
+    config = load_config(None, ["model.path=/models/base", "adapters=[{name: add, data: {task: addition}}, "
+                                f"{{name: mine, data: {{task: null, path: {data}, prompt_key: q, label_key: a, reward: digit_match}}}}]"])
+    checked = check_adapter_inputs(config)
+    view, rows, reward = checked["mine"]
+    assert rows == [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
+    assert reward("24", "24", True) == 1.0 and view.data.reward == "digit_match"
+    assert len(checked["add"][1]) == 100 * 100
+    with pytest.raises(ConfigError, match=r"adapters\.1 \(mine\): .*bad\.jsonl"):
+        bad = load_config(None, ["model.path=/m", f"adapters=[{{name: add}}, {{name: mine, data: {{task: null, path: {tmp_path / 'bad.jsonl'}}}}}]"])
+        check_adapter_inputs(bad)
