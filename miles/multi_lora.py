@@ -120,7 +120,7 @@ class MultiLoRARun:
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lock = RunLock(self.run_dir)
-        self.trainer = self.controller = None
+        self.trainer = self.controller = self.progress = None
         try:
             tasks = sorted({a.data.task for a in config.adapters if a.data.task is not None})
             self.initial_model = initial_model(self.run_dir, config, tasks)
@@ -150,7 +150,7 @@ class MultiLoRARun:
         return [a for a in self.adapters.values() if a.rollout_ids()]
 
     def close(self) -> None:
-        if getattr(self, "progress", None) is not None:
+        if self.progress is not None:
             self.progress.close()
         if self.controller is not None:
             self.controller.shutdown()

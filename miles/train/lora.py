@@ -130,8 +130,8 @@ class LoRATrainActor:
     def _write_adapter_files(self, name: str, directory: Path) -> None:
         target = directory / ADAPTER_DIR
         target.mkdir()
-        config = self.model.peft_config[name]
-        config.base_model_name_or_path = self.base_dir
-        (target / ADAPTER_CONFIG).write_text(json.dumps(config_dict(config), indent=1))
+        # A copy: the live config is what the engines compare on each push, and must not change on a save.
+        config = {**config_dict(self.model.peft_config[name]), "base_model_name_or_path": self.base_dir}
+        (target / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
         save_file({k: v.contiguous() for k, v in self.adapter_weights(name).items()}, str(target / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         optimizer_to_files(self.adapters[name].optimizer, directory)
