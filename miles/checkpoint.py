@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from miles.atomic import atomic_file
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
+CHECKSUMS_FILE = "checksums.json"
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
@@ -61,12 +64,54 @@ def checkpoint_dir(run_dir: str | Path, rollout_id: int) -> Path:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint of the highest rollout_id (a renamed dir always holds its state.json)."""
+    """The intact checkpoint of the highest rollout_id.
+
+    A damaged one (a file missing, truncated or changed since it was written) is reported and set aside as
+    `checkpoints/damaged-<id>-<time>`, nothing deleted, and the one before it is used.
+    """
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return None
-    done = [p for p in root.iterdir() if p.name.isdigit() and (p / STATE_FILE).is_file()]
-    return max(done, key=lambda p: int(p.name), default=None)
+    for checkpoint in sorted((p for p in root.iterdir() if p.name.isdigit()), key=lambda p: int(p.name), reverse=True):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        aside = root / f"damaged-{checkpoint.name}-{int(time.time())}"
+        os.replace(checkpoint, aside)
+        log.warning("checkpoint %s is damaged (%s); set aside as %s, using the one before it", checkpoint, problem, aside.name)
+    return None
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint dir against its checksums.json, or None when every file is intact."""
+    try:
+        expected = json.loads((checkpoint / CHECKSUMS_FILE).read_text())
+    except (OSError, ValueError):
+        return f"{CHECKSUMS_FILE} is missing or unreadable"
+    for name, want in expected.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, {want['bytes']} were written"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_checksums(directory: Path) -> None:
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    sums = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    write_json_atomic(directory / CHECKSUMS_FILE, sums)
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
@@ -74,8 +119,8 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def write_checkpoint(run_dir: str | Path, rollout_id: int, state: dict[str, Any], write_files: Callable[[Path], None]) -> Path:
-    """Write <run_dir>/checkpoints/<rollout_id>/: `write_files(staging)` fills a staging dir, then state.json, then
-    one rename. An existing checkpoint (a retried save) is kept as it is."""
+    """Write <run_dir>/checkpoints/<rollout_id>/: `write_files(staging)` fills a staging dir, then state.json and
+    the checksums of every file, then one rename. An existing checkpoint (a retried save) is kept as it is."""
     target = checkpoint_dir(run_dir, rollout_id)
     if target.exists():
         return target
@@ -84,16 +129,12 @@ def write_checkpoint(run_dir: str | Path, rollout_id: int, state: dict[str, Any]
     staging = Path(tempfile.mkdtemp(prefix=f".staging-{rollout_id}-", dir=root))
     write_files(staging)
     write_json_atomic(staging / STATE_FILE, {**state, "rollout_id": rollout_id})
-    commit_checkpoint(staging, target)
-    return target
-
-
-def commit_checkpoint(staging: Path, target: Path) -> None:
-    """Rename a fully written staging dir into place; an existing target (a retried save) is kept."""
-    if target.exists():
+    _write_checksums(staging)
+    if target.exists():  # saved meanwhile by another attempt of the same save
         shutil.rmtree(staging, ignore_errors=True)
-        return
-    os.replace(staging, target)
+    else:
+        os.replace(staging, target)
+    return target
 
 
 class Ledger:

@@ -11,11 +11,12 @@ from miles import checkpoint as ckpt
 from miles.checkpoint import (
     Ledger,
     checkpoint_dir,
-    commit_checkpoint,
+    checkpoint_problem,
     latest_checkpoint,
     optimizer_from_files,
     optimizer_to_files,
     read_state,
+    write_checkpoint,
     write_json_atomic,
 )
 
@@ -136,9 +137,11 @@ def test_optimizer_files_hold_no_pickle(tmp_path):
 
 
 def _complete(run_dir, rollout_id: int, **state):
-    directory = checkpoint_dir(run_dir, rollout_id)
-    write_json_atomic(directory / ckpt.STATE_FILE, {"rollout_id": rollout_id, **state})
-    return directory
+    def write_files(directory):
+        (directory / "model").mkdir()
+        (directory / "model" / "weights.bin").write_bytes(bytes(range(256)) * 64)
+
+    return write_checkpoint(run_dir, rollout_id, state, write_files)
 
 
 def test_latest_checkpoint_none_without_dir(tmp_path):
@@ -150,12 +153,10 @@ def test_latest_checkpoint_none_when_empty(tmp_path):
     assert latest_checkpoint(tmp_path) is None
 
 
-def test_latest_checkpoint_picks_highest_numeric_complete(tmp_path):
+def test_latest_checkpoint_picks_highest_numeric(tmp_path):
     _complete(tmp_path, 2)
     _complete(tmp_path, 10)  # numerically highest; lexically "10" < "9"
     _complete(tmp_path, 9)
-    checkpoint_dir(tmp_path, 50).mkdir()  # no state.json: incomplete
-    (checkpoint_dir(tmp_path, 40) / "model").mkdir(parents=True)  # incomplete too
     staging = tmp_path / "checkpoints" / ".staging-99"
     staging.mkdir()
     (staging / ckpt.STATE_FILE).write_text("{}")  # not a numeric name
@@ -164,29 +165,56 @@ def test_latest_checkpoint_picks_highest_numeric_complete(tmp_path):
     assert read_state(latest) == {"rollout_id": 10}
 
 
-def test_latest_checkpoint_ignores_state_json_directory(tmp_path):
+def test_checkpoint_carries_checksums_of_every_file(tmp_path):
+    directory = _complete(tmp_path, 3)
+    sums = json.loads((directory / ckpt.CHECKSUMS_FILE).read_text())
+    assert sorted(sums) == ["model/weights.bin", ckpt.STATE_FILE]
+    assert sums["model/weights.bin"]["bytes"] == 256 * 64
+    assert checkpoint_problem(directory) is None
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[7] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (_truncate, "model/weights.bin has 100 bytes, 16384 were written"),
+        (_flip_a_byte, "model/weights.bin does not match its sha256"),
+        (lambda path: path.unlink(), "model/weights.bin is missing"),
+        (lambda path: (path.parent.parent / ckpt.CHECKSUMS_FILE).unlink(), "checksums.json is missing or unreadable"),
+    ],
+)
+def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(tmp_path, caplog, damage, problem):
     _complete(tmp_path, 1)
-    (checkpoint_dir(tmp_path, 5) / ckpt.STATE_FILE).mkdir(parents=True)
-    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 1)
+    damaged = _complete(tmp_path, 3)
+    damage(damaged / "model" / "weights.bin")
+    with caplog.at_level("WARNING", logger="miles.checkpoint"):
+        latest = latest_checkpoint(tmp_path)
+    assert latest == checkpoint_dir(tmp_path, 1)
+    assert problem in caplog.text and str(damaged) in caplog.text
+    aside = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("damaged-3-")]
+    assert len(aside) == 1 and not damaged.exists()  # kept for inspection, no longer a candidate
+    assert _complete(tmp_path, 3) == damaged and checkpoint_problem(damaged) is None  # the id can be saved again
 
 
-def test_commit_checkpoint_moves_staging(tmp_path):
-    staging = tmp_path / "checkpoints" / ".staging"
-    write_json_atomic(staging / ckpt.STATE_FILE, {"rollout_id": 4})
-    target = checkpoint_dir(tmp_path, 4)
-    commit_checkpoint(staging, target)
-    assert not staging.exists()
-    assert read_state(target) == {"rollout_id": 4}
-    assert latest_checkpoint(tmp_path) == target
+def test_every_checkpoint_damaged_gives_none(tmp_path):
+    (_complete(tmp_path, 0) / ckpt.STATE_FILE).write_text("{")
+    assert latest_checkpoint(tmp_path) is None
 
 
-def test_commit_checkpoint_keeps_existing_target(tmp_path):
+def test_a_retried_save_keeps_the_existing_checkpoint(tmp_path):
     target = _complete(tmp_path, 4, tag="first")
-    staging = tmp_path / "checkpoints" / ".staging"
-    write_json_atomic(staging / ckpt.STATE_FILE, {"rollout_id": 4, "tag": "retry"})
-    commit_checkpoint(staging, target)
-    assert not staging.exists()
+    assert _complete(tmp_path, 4, tag="retry") == target
     assert read_state(target) == {"rollout_id": 4, "tag": "first"}
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["4"]  # no staging dir left behind
 
 
 # ---------------------------------------------------------------- ledger
