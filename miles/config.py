@@ -66,6 +66,9 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, gt=0)
     num_threads: int = Field(2, gt=0, description="torch threads of each engine actor")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the engines: cpu or cuda")
+    engine_timeout_s: float = Field(
+        600.0, gt=0, description="an engine that has not answered a batch or a push within this time is restarted"
+    )
     max_weight_staleness: int | None = Field(
         None, ge=0, description="get drops groups generated more than this many weight versions behind the trainer"
     )

@@ -129,7 +129,8 @@ class MultiLoRARun:
                 config, str(self.initial_model), config.train.device
             )
             self.controller = InferenceController(
-                str(self.initial_model), 0, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device
+                str(self.initial_model), 0, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device,
+                config.rollout.engine_timeout_s,
             )
             self.tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
             total = sum(a.num_steps for a in config.adapters)

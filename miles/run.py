@@ -213,7 +213,8 @@ class RLRun(PolicyRun):
             )
             engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
             self.controller = InferenceController(
-                str(engine_model), self.trainer_version, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device
+                str(engine_model), self.trainer_version, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device,
+                config.rollout.engine_timeout_s,
             )
             self._start_rollouts(self.controller, AutoTokenizer.from_pretrained(self.initial_model), rows, reward_fn)
             self.reporter = IterationReporter(config.num_rollout, self.start_rollout_id)

@@ -3,10 +3,15 @@
 Several callers (the branches of the multi-LoRA flow) may call `generate` at once: calls that arrive while a
 batch is on the engines are merged into the next batch, so requests of different adapters share one forward
 pass. Weight and adapter pushes wait for the batch on the engines; a generation never sees weights change.
+
+An engine call that fails because an engine died, or that outlasts `timeout_s`, health-checks every engine,
+restarts the dead or hung ones with the current weights and adapters at their versions, and raises
+EngineRestarted: the caller's retry then runs on a whole engine set. No partial batch is ever returned.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -15,6 +20,14 @@ import ray
 from miles.cluster import actor_options
 from miles.engines.base import GenerateRequest, GenerateResult
 from miles.engines.torch_engine import TorchEngine
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 30.0
+
+
+class EngineRestarted(RuntimeError):
+    """Engines died or hung during a call; they were restarted with the current weights, so a retry can succeed."""
 
 
 @dataclass
@@ -26,25 +39,27 @@ class _Call:
 
 
 class InferenceController:
-    def __init__(self, model_dir: str, weight_version: int, num_engines: int, num_threads: int, device: str = "cpu"):
-        engine_cls = ray.remote(TorchEngine)
-        self.engines = [
-            engine_cls.options(**actor_options(device)).remote(
-                model_dir, weight_version=weight_version, device=device, num_threads=num_threads
-            )
-            for _ in range(num_engines)
-        ]
+    def __init__(self, model_dir: str, weight_version: int, num_engines: int, num_threads: int, device: str = "cpu",
+                 timeout_s: float = 600.0):
+        self._engine_args = dict(model_dir=model_dir, weight_version=weight_version, device=device, num_threads=num_threads)
+        self._engine_options = actor_options(device)
+        self.timeout_s = timeout_s
         self._weight_version = weight_version
-        self._adapter_versions: dict[str, int] = {}
+        self._weights_ref: ray.ObjectRef | None = None  # the last full-weight push, for engines restarted after it
+        self._adapters: dict[str, tuple[ray.ObjectRef, dict, int]] = {}  # name -> (tensors, PEFT config, version)
         self._pending: list[_Call] = []
         self._pending_lock = threading.Lock()
-        self._engines_busy = threading.Lock()  # held while a batch or a weight push is on the engines
+        self._engines_busy = threading.Lock()  # held while a batch, a push or a restart is on the engines
+        self.engines = [self._start_engine() for _ in range(num_engines)]
+
+    def _start_engine(self) -> ray.actor.ActorHandle:
+        return ray.remote(TorchEngine).options(**self._engine_options).remote(**self._engine_args)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order. The caller that gets the engines first generates every pending call."""
-        unknown = sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in self._adapter_versions})
+        unknown = sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in self._adapters})
         if unknown:  # refused before merging, so that a bad caller never fails the callers batched with it
-            raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(self._adapter_versions)}")
+            raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(self._adapters)}")
         call = _Call(requests)
         with self._pending_lock:
             self._pending.append(call)
@@ -75,36 +90,86 @@ class InferenceController:
     def _generate_on_engines(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Contiguous shards, one per engine; per-request seeds make the result independent of the split."""
         shard = -(-len(requests) // len(self.engines))
-        calls = [
-            engine.generate.remote(requests[i * shard : (i + 1) * shard])
-            for i, engine in enumerate(self.engines)
-            if requests[i * shard : (i + 1) * shard]
-        ]
-        return [result for part in ray.get(calls) for result in part]
+        shards = {i: requests[i * shard : (i + 1) * shard] for i in range(len(self.engines))}
+        parts = self._on_engines("generate", {i: ("generate", part) for i, part in shards.items() if part})
+        return [result for part in parts for result in part]
+
+    def _on_engines(self, what: str, calls: dict[int, tuple]) -> list:
+        """Run `engines[i].<method>(*args)` for each `i: (method, *args)` and return the results in order.
+
+        When an engine died or gave no answer within timeout_s, the dead and hung engines are restarted and
+        EngineRestarted is raised; any other error (a rejected request, a failed argument) is raised as it is.
+        """
+        refs = {i: getattr(self.engines[i], method).remote(*args) for i, (method, *args) in calls.items()}
+        _, not_ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
+        hung = {i for i, ref in refs.items() if ref in not_ready}
+        cause = None
+        if hung:
+            reason = f"engines {sorted(hung)} gave no answer within {self.timeout_s:g} s"
+        else:
+            try:
+                return ray.get(list(refs.values()))
+            except ray.exceptions.RayActorError as exc:
+                cause, reason = exc, str(exc).strip().splitlines()[0]
+        restarted = self._restart_engines(hung)
+        if not restarted:  # every engine passes its health check: the failure was not theirs (e.g. an argument's)
+            raise cause
+        raise EngineRestarted(
+            f"{what} failed ({reason}); restarted engines {restarted} with weight version {self._weight_version}"
+            f" and adapters {self.adapter_versions()}; a retry runs on the restarted engines"
+        ) from cause
+
+    def _restart_engines(self, hung: set[int]) -> list[int]:
+        """Replace the engines in `hung` and those that fail a health check; returns the replaced indices."""
+        restarted = []
+        for i, engine in enumerate(self.engines):
+            if i in hung or not _healthy(engine):
+                log.warning("restarting engine %d", i)
+                ray.kill(engine)
+                self.engines[i] = self._start_engine()
+                restarted.append(i)
+        # A fresh engine holds the weights it was started from: give it the current weights and adapters.
+        for i in restarted:
+            engine = self.engines[i]
+            if self._weights_ref is not None:
+                ray.get(engine.update_weights.remote(self._weights_ref, self._weight_version))
+            for name, (tensors_ref, config, version) in self._adapters.items():
+                ray.get(engine.load_adapter.remote(name, tensors_ref, config, version))
+        return restarted
+
+    def adapter_versions(self) -> dict[str, int]:
+        return {name: version for name, (_, _, version) in self._adapters.items()}
 
     def update_weights(self, weights_ref: ray.ObjectRef, version: int) -> None:
         """Push full weights to every engine as `version` (a push of the version they hold is skipped)."""
         if version == self._weight_version:
             return
         with self._engines_busy:
-            ray.get([engine.update_weights.remote(weights_ref, version) for engine in self.engines])
-        self._weight_version = version
+            self._on_engines("update_weights", {i: ("update_weights", weights_ref, version) for i in range(len(self.engines))})
+            self._weights_ref, self._weight_version = weights_ref, version
 
     def load_adapter(self, name: str, tensors_ref: ray.ObjectRef, config: dict, version: int) -> None:
         """Load or replace LoRA adapter `name` on every engine as `version`; the other adapters are untouched,
         and a push of the version the engines hold is skipped."""
-        if self._adapter_versions.get(name) == version:
+        if name in self._adapters and self._adapters[name][2] == version:
             return
         with self._engines_busy:
-            ray.get([engine.load_adapter.remote(name, tensors_ref, config, version) for engine in self.engines])
-        self._adapter_versions[name] = version
+            self._on_engines("load_adapter", {i: ("load_adapter", name, tensors_ref, config, version) for i in range(len(self.engines))})
+            self._adapters[name] = (tensors_ref, config, version)
 
     def unload_adapter(self, name: str) -> None:
         with self._engines_busy:
-            ray.get([engine.unload_adapter.remote(name) for engine in self.engines])
-        self._adapter_versions.pop(name, None)
+            self._on_engines("unload_adapter", {i: ("unload_adapter", name) for i in range(len(self.engines))})
+            self._adapters.pop(name, None)
 
     def shutdown(self) -> None:
         for engine in self.engines:
             ray.kill(engine)
         self.engines = []
+
+
+def _healthy(engine: ray.actor.ActorHandle) -> bool:
+    try:
+        return bool(ray.get(engine.health.remote(), timeout=HEALTH_TIMEOUT_S))
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False

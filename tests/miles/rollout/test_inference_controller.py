@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import threading
 import time
 
@@ -13,7 +15,7 @@ from peft import get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles.config import AdapterConfig
-from miles.rollout.inference_controller import InferenceController
+from miles.rollout.inference_controller import EngineRestarted, InferenceController
 from miles.train.lora import config_dict, lora_config
 from tests.miles.engines.test_torch_engine import _requests, _seeded
 
@@ -170,3 +172,89 @@ def test_a_bad_caller_is_refused_without_failing_concurrent_callers(controller, 
     assert isinstance(outcome["bad"], ValueError) and "never-loaded" in str(outcome["bad"])
     assert not controller._pending  # the refused call never joined a batch
     _assert_same_samples(outcome["good"], expected)
+
+
+# ---------------------------------------------------------------- engine death and hangs
+
+
+def _pid(engine) -> int:
+    return ray.get(engine.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def _perturbed_weights(tiny_model_dir) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    return {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def recovering(ray_session, tiny_model_dir):
+    """An engine holding pushed weights (version 5) and an adapter, so that a restart must restore both. One engine:
+    the module's two-engine controller still holds two of the session's three Ray CPUs."""
+    controller = InferenceController(str(tiny_model_dir), weight_version=0, num_engines=1, num_threads=1, timeout_s=20)
+    controller.update_weights(ray.put(_perturbed_weights(tiny_model_dir)), 5)
+    # Engines serving adapters refuse full-weight pushes, so the adapter comes after the weights.
+    tensors, config = _lora(tiny_model_dir, 3)
+    controller.load_adapter("a", ray.put(tensors), config, 9)
+    yield controller
+    controller.shutdown()
+
+
+def _mixed_requests(tokenizer):
+    plain = _seeded(_requests(tokenizer, ["1+2=", "45+67=", "12+", "9+99="] * 2, max_new_tokens=6), 21)
+    return plain + [dataclasses.replace(r, adapter="a", seed=r.seed + 100) for r in plain]
+
+
+def _generate_while(controller, requests, fault) -> BaseException:
+    """Start `controller.generate(requests)` with the engine stopped (SIGSTOP), so the batch is in flight on it,
+    apply `fault` to the engine's pid, and return what the call raised."""
+    pid = _pid(controller.engines[0])
+    os.kill(pid, signal.SIGSTOP)
+    outcome: list[BaseException] = []
+
+    def call():
+        try:
+            controller.generate(requests)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(1.0)
+    fault(pid)
+    thread.join(120)
+    assert outcome, "generate returned although an engine was down"
+    return outcome[0]
+
+
+def test_killed_engine_is_restarted_with_weights_and_adapters_and_the_retry_matches(recovering, tokenizer):
+    requests = _mixed_requests(tokenizer)
+    expected = recovering.generate(requests)
+    old_engine = recovering.engines[0]
+
+    error = _generate_while(recovering, requests, lambda pid: os.kill(pid, signal.SIGKILL))
+
+    assert isinstance(error, EngineRestarted)
+    assert "restarted engines [0]" in str(error) and "weight version 5" in str(error) and "'a': 9" in str(error)
+    assert recovering.engines[0] is not old_engine
+    assert ray.get(recovering.engines[0].weight_version.remote()) == 5
+    assert ray.get(recovering.engines[0].adapter_versions.remote()) == {"a": 9}
+    _assert_same_samples(recovering.generate(requests), expected)  # the same tokens as before the death
+
+
+def test_hung_engine_is_restarted_after_the_timeout(recovering, tokenizer):
+    requests = _mixed_requests(tokenizer)
+    expected = recovering.generate(requests)
+    recovering.timeout_s = 3
+
+    error = _generate_while(recovering, requests, lambda pid: None)  # stays stopped: a hang
+
+    assert isinstance(error, EngineRestarted) and "engines [0] gave no answer within 3 s" in str(error)
+    _assert_same_samples(recovering.generate(requests), expected)
+
+
+def test_a_refused_push_is_not_an_engine_death(recovering, tiny_model_dir):
+    engines = list(recovering.engines)
+    with pytest.raises(ValueError, match="frozen"):  # the engines serve an adapter, so a full push is refused
+        recovering.update_weights(ray.put(_perturbed_weights(tiny_model_dir)), 6)
+    assert recovering.engines == engines
