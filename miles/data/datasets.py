@@ -19,6 +19,17 @@ def load_rows(config: DataConfig) -> list[dict[str, str]]:
     return _read_file(Path(config.path), config.prompt_key, config.label_key)
 
 
+def check_prompt_lengths(rows: list[dict[str, str]], tokenizer, max_new_tokens: int, context: int, source: str) -> None:
+    """Raise for the first row whose prompt leaves no room for max_new_tokens within the model's context."""
+    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"]]
+    for index, length in enumerate(lengths, start=1):
+        if length + max_new_tokens > context:
+            raise ValueError(
+                f"{source}: row {index}: the prompt is {length} tokens; with rollout.max_new_tokens={max_new_tokens} "
+                f"it exceeds the model's context of {context} tokens (max_position_embeddings)"
+            )
+
+
 def _read_file(path: Path, prompt_key: str, label_key: str) -> list[dict[str, str]]:
     if not path.is_file():
         raise ValueError(f"data.path: {path} does not exist or is not a file")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 
 import numpy as np
 import pyarrow as pa
@@ -69,12 +70,17 @@ class RolloutExecutor:
         eos = self.tokenizer.eos_token_id
         texts = self.tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
         finished = [r.finish_reason == "stop" and r.output_ids[-1:] == [eos] for r in results]
-        rewards = [float(self.reward_fn(t, l, f)) for t, l, f in zip(texts, labels, finished)]
-        bad = [i for i, v in enumerate(rewards) if not math.isfinite(v)]
-        if bad:
-            raise ValueError(f"data.reward {self.config.data.reward!r} returned {rewards[bad[0]]} for sample {bad[0]} of rollout {rollout_id}")
+        rewards, failures = self._score(texts, labels, finished)
+        if failures:
+            index, why = failures[0]
+            log.warning(
+                "rollout %d: data.reward %r failed on %d of %d samples, which are stored as failed and not trained on; "
+                "first: sample %d (response %s) %s",
+                rollout_id, self.config.data.reward, len(failures), len(texts), index, _clip(repr(texts[index])), why,
+            )
 
         count = len(results)
+        statuses = ["failed" if r is None else "completed" if f else "truncated" for r, f in zip(rewards, finished)]
         lengths = [len(r.output_ids) for r in results]
         columns = {
             "rollout_id": pa.array(np.full(count, rollout_id), pa.int64()),
@@ -88,7 +94,7 @@ class RolloutExecutor:
             "loss_mask": pa.array([[1] * k for k in lengths], pa.list_(pa.int8())),
             "raw_reward": pa.array(rewards, pa.float32()),
             "advantage": pa.nulls(count, pa.float32()),
-            "status": pa.array(["completed" if f else "truncated" for f in finished]).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
+            "status": pa.array(statuses).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
             "weight_version": pa.array([r.weight_version for r in results], pa.int64()),
             "label": pa.array(labels, pa.string()),
         }
@@ -101,10 +107,33 @@ class RolloutExecutor:
         self.data_source.position = end
         return summarize(table)
 
+    def _score(self, texts: list[str], labels: list[str], finished: list[bool]) -> tuple[list[float | None], list[tuple[int, str]]]:
+        """Each sample's reward, None where the reward function raised or returned no finite number; and the
+        (index, what went wrong) of each such sample."""
+        rewards: list[float | None] = []
+        failures: list[tuple[int, str]] = []
+        for index, (text, label, done) in enumerate(zip(texts, labels, finished)):
+            try:
+                value = self.reward_fn(text, label, done)
+            except Exception as exc:  # a user's reward function can fail on any response; only that sample fails
+                failures.append((index, f"raised {type(exc).__name__}: {exc}"))
+                rewards.append(None)
+                continue
+            if isinstance(value, numbers.Real) and math.isfinite(value):
+                rewards.append(float(value))
+            else:
+                failures.append((index, f"returned {_clip(repr(value))}"))
+                rewards.append(None)
+        return rewards, failures
+
     def get(self, rollout_id: int, trainer_version: int) -> tuple[pa.Table, dict[str, float]]:
         """The stored rollout, ready to train: stale groups dropped, group-normalised advantages, trimmed to a
-        multiple of global_batch_size. Also returns the handover's counts (staleness, dropped groups)."""
+        multiple of global_batch_size. Failed samples are left out first, so advantages are normalised over the
+        rest of each group. Also returns the handover's counts (staleness, dropped groups, failed samples)."""
         table = self.store.read(rollout_id)
+        failed = pc.equal(table.column("status").cast(pa.string()), "failed")
+        failed_samples = pc.sum(failed).as_py() or 0
+        table = table.filter(pc.invert(failed))
         groups = table.column("group_index").to_numpy()
         staleness = trainer_version - table.column("weight_version").to_numpy()
         bound = self.config.rollout.max_weight_staleness
@@ -117,7 +146,10 @@ class RolloutExecutor:
                 table, groups, staleness = table.filter(pa.array(keep_rows)), groups[keep_rows], staleness[keep_rows]
         gbs = self.config.train.global_batch_size
         if table.num_rows < gbs:
-            why = f"after dropping {dropped_groups} groups staler than rollout.max_weight_staleness={bound} " if dropped_groups else ""
+            removals = [f"excluding {failed_samples} failed samples"] * bool(failed_samples) + [
+                f"dropping {dropped_groups} groups staler than rollout.max_weight_staleness={bound}"
+            ] * bool(dropped_groups)
+            why = f"after {' and '.join(removals)} " if removals else ""
             raise ValueError(
                 f"rollout {rollout_id} has {table.num_rows} samples {why}(trainer at weight version {trainer_version}), "
                 f"fewer than train.global_batch_size ({gbs})"
@@ -126,7 +158,7 @@ class RolloutExecutor:
             table.column("raw_reward").to_numpy(), groups, std_normalization=self.config.algo.grpo_std_normalization
         )
         table = table.set_column(table.schema.get_field_index("advantage"), ROLLOUT_SCHEMA.field("advantage"), pa.array(advantages))
-        stats = {"staleness_mean": float(staleness.mean()), "dropped_groups": dropped_groups}
+        stats = {"staleness_mean": float(staleness.mean()), "dropped_groups": dropped_groups, "failed_samples": failed_samples}
         return table.slice(0, table.num_rows - table.num_rows % gbs), stats
 
 
@@ -135,12 +167,18 @@ def _rollout_seed(run_seed: int, rollout_id: int) -> int:
     return ((run_seed * 1_000_003 + rollout_id) * 1_000_033) % (2**62)
 
 
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def summarize(table: pa.Table) -> dict[str, float]:
     status = table.column("status").cast(pa.string())
+    reward_mean = pc.mean(table.column("raw_reward")).as_py()  # skips the nulls of failed samples
     return {
-        "reward_mean": float(pc.mean(table.column("raw_reward")).as_py()),
+        "reward_mean": math.nan if reward_mean is None else reward_mean,
         "response_length_mean": float(pc.mean(table.column("response_length")).as_py()),
         "truncated_fraction": float(pc.mean(pc.equal(status, "truncated").cast(pa.float32())).as_py()),
         "samples": table.num_rows,
+        "failed_samples": pc.sum(pc.equal(status, "failed")).as_py() or 0,
         "weight_version": int(pc.min(table.column("weight_version")).as_py()),
     }

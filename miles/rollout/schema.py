@@ -1,10 +1,14 @@
-"""The rollout table: one row per sample, the handover format between rollout and trainer."""
+"""The rollout table: one row per sample, the handover format between rollout and trainer.
+
+A sample whose reward could not be computed has status "failed" and a null raw_reward; it stays in the
+stored rollout and is never trained on.
+"""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 STATUSES = ("completed", "truncated", "aborted", "failed")
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -18,7 +22,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("response_length", pa.int32(), nullable=False),
         pa.field("rollout_logprobs", pa.list_(pa.float32()), nullable=False),
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
-        pa.field("raw_reward", pa.float32(), nullable=False),
+        pa.field("raw_reward", pa.float32()),  # null where status is "failed"
         pa.field("advantage", pa.float32()),
         pa.field("status", pa.dictionary(pa.int8(), pa.string()), nullable=False),
         pa.field("weight_version", pa.int64(), nullable=False),

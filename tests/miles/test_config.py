@@ -86,6 +86,12 @@ def test_negative_size_is_named():
     assert "rollout.rollout_batch_size" in message
 
 
+def test_unknown_advantage_estimator_is_named():
+    message = _message("algo.advantage_estimator=ppo2")
+    assert "algo.advantage_estimator" in message
+    assert "grpo" in message  # the estimators there are
+
+
 def test_config_error_is_value_error():
     with pytest.raises(ValueError):
         load_config(None, ["train.lr=-1"])

@@ -81,9 +81,17 @@ def test_missing_column_rejected_with_its_name(tmp_path):
 def test_wrong_type_rejected():
     table = rollout_table()
     index = table.schema.get_field_index("raw_reward")
-    bad = table.set_column(index, pa.field("raw_reward", pa.float64(), nullable=False), table.column("raw_reward").cast(pa.float64()))
+    bad = table.set_column(index, pa.field("raw_reward", pa.float64()), table.column("raw_reward").cast(pa.float64()))
     with pytest.raises(ValueError, match="not a rollout table"):
         check_schema(bad, "somewhere")
+
+
+def test_a_null_reward_round_trips(tmp_path):
+    store = RolloutStore(tmp_path)
+    table = rollout_table()
+    index = table.schema.get_field_index("raw_reward")
+    store.write(1, table.set_column(index, ROLLOUT_SCHEMA.field("raw_reward"), pa.array([0.0, None, 1.0], pa.float32())))
+    assert store.read(1).column("raw_reward").to_pylist() == [0.0, None, 1.0]
 
 
 def test_read_checks_schema(tmp_path):
