@@ -1,10 +1,18 @@
-"""Ray start/attach and actor placement for the engine and trainer actors."""
+"""Ray start/attach, actor placement, and restarting an actor that died."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import ray
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 30.0
 
 
 def ensure_ray(address: str | None, actors: int) -> None:
@@ -30,3 +38,65 @@ def actor_options(device: str = "cpu") -> dict:
     if device.startswith("cuda"):
         options["num_gpus"] = 0.01
     return options
+
+
+class ActorLost(RuntimeError):
+    """The actor died during a call; the next call starts it again, so a retry of the work can succeed."""
+
+
+class RestartableActor:
+    """A Ray actor that is started again after it dies, rebuilt from the run directory by `start()`.
+
+    The call that meets the death raises ActorLost (the task's retry repeats the work); the next call first runs
+    `start()`, which returns a new handle with the state rebuilt (e.g. the latest checkpoint plus the ledger).
+    Thread-safe: concurrent callers that meet one death trigger one restart.
+    """
+
+    def __init__(self, name: str, start: Callable[[], ray.actor.ActorHandle]):
+        self.name = name
+        self._start = start
+        self._lock = threading.Lock()
+        self._lost = False
+        self.handle = start()
+
+    def call(self, method: str, *args: Any) -> Any:
+        handle = self._live()
+        try:
+            return ray.get(getattr(handle, method).remote(*args))
+        except ray.exceptions.RayActorError as exc:
+            self._mark_lost(handle)
+            raise ActorLost(f"the {self.name} died during {method} ({_first_line(exc)}); it restarts on the next call") from exc
+
+    def remote(self, method: str, *args: Any) -> ray.ObjectRef:
+        """A call whose result another actor consumes; after a failure there, `check()` tells whether this actor died."""
+        return getattr(self._live(), method).remote(*args)
+
+    def check(self) -> None:
+        """Raise ActorLost (and restart on the next call) if the actor is dead."""
+        handle = self.handle
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=HEALTH_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            self._mark_lost(handle)
+            raise ActorLost(f"the {self.name} died ({_first_line(exc)}); it restarts on the next call") from exc
+
+    def _live(self) -> ray.actor.ActorHandle:
+        with self._lock:
+            if self._lost:
+                log.warning("restarting the %s", self.name)
+                ray.kill(self.handle)
+                self.handle = self._start()
+                self._lost = False
+            return self.handle
+
+    def _mark_lost(self, handle: ray.actor.ActorHandle) -> None:
+        with self._lock:
+            if handle is self.handle:  # not a stale handle from before the last restart
+                self._lost = True
+
+    def kill(self) -> None:
+        ray.kill(self.handle)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

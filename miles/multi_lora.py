@@ -17,14 +17,14 @@ import pyarrow as pa
 import ray
 from transformers import AutoTokenizer
 
-from miles.checkpoint import ADAPTER_DIR, RunLock, checkpoint_dir
-from miles.cluster import actor_options, ensure_ray
+from miles.checkpoint import ADAPTER_DIR, RunLock, checkpoint_dir, latest_checkpoint
+from miles.cluster import RestartableActor, actor_options, ensure_ray
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
 from miles.evaluate import evaluate_checkpoint
 from miles.progress import AdapterReporter, ProgressLine
 from miles.rewards import RewardFn
 from miles.rollout.inference_controller import InferenceController
-from miles.run import PolicyRun, check_inputs, initial_model, write_run_record
+from miles.run import PolicyRun, check_context, check_inputs, initial_model, write_run_record
 from miles.train.lora import LoRATrainActor
 
 log = logging.getLogger(__name__)
@@ -59,24 +59,40 @@ class AdapterRun(PolicyRun):
     """One adapter's branch of the multi-LoRA run; the same calls as RLRun, with push_adapter for sync_weights."""
 
     def __init__(self, adapter: AdapterConfig, view: RunConfig, base: MultiLoRARun, rows, reward_fn: RewardFn):
+        self.adapter = adapter
         self.name = adapter.name
         self.label = f"{adapter.name}, "
-        self.trainer = base.trainer
+        self.base = base
         self.controller = base.controller
         self.initial_model = base.initial_model
+        self.retired = False
         checkpoint = self._resume(view)
         self._start_rollouts(base.controller, base.tokenizer, rows, reward_fn, adapter=adapter.name)
         self.reporter = AdapterReporter(base.progress, adapter.name, view.num_rollout)
         if self.rollout_ids():
-            ray.get(self.trainer.add_adapter.remote(adapter, view, str(checkpoint) if checkpoint else None))
-            self.lora_config = ray.get(self.trainer.adapter_config.remote(adapter.name))
+            self.base.trainer.call("add_adapter", adapter, view, str(checkpoint) if checkpoint else None)
+            self._replay(lambda rollout_id, table: self.base.trainer.call("train", self.name, rollout_id, table), self._replay_ids)
+            self._finish_replayed()
+            self.lora_config = self.base.trainer.call("adapter_config", adapter.name)
             self._push(self.trainer_version)
 
+    def restore_on(self, trainer: ray.actor.ActorHandle) -> None:
+        """Add this adapter to a restarted trainer: its latest intact checkpoint, then the rollouts trained since."""
+        checkpoint = latest_checkpoint(self.run_dir)
+        replay = self._trained_since(checkpoint)
+        ray.get(trainer.add_adapter.remote(self.adapter, self.config, str(checkpoint) if checkpoint else None))
+        self._replay(lambda rollout_id, table: ray.get(trainer.train.remote(self.name, rollout_id, table)), replay)
+
     def _train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
-        return ray.get(self.trainer.train.remote(self.name, rollout_id, table))
+        return self.base.trainer.call("train", self.name, rollout_id, table)
 
     def _push(self, version: int) -> None:
-        self.controller.load_adapter(self.name, self.trainer.adapter_weights.remote(self.name), self.lora_config, version)
+        weights = self.base.trainer.remote("adapter_weights", self.name)
+        try:
+            self.controller.load_adapter(self.name, weights, self.lora_config, version)
+        except ray.exceptions.RayActorError:
+            self.base.trainer.check()  # the engines are alive (the controller checked): was it the trainer?
+            raise
 
     def is_last(self, rollout_id: int) -> bool:
         """The adapter's final rollout: after it the adapter retires instead of being pushed."""
@@ -91,12 +107,13 @@ class AdapterRun(PolicyRun):
         return version
 
     def save_checkpoint(self, rollout_id: int) -> str:
-        return ray.get(self.trainer.save_checkpoint.remote(self.name, rollout_id, self._checkpoint_state(rollout_id)))
+        return self.base.trainer.call("save_checkpoint", self.name, rollout_id, self._checkpoint_state(rollout_id))
 
     def retire(self) -> None:
         """Free the adapter's slot in the engines and the trainer (its final checkpoint is already saved)."""
         self.controller.unload_adapter(self.name)
-        ray.get(self.trainer.remove_adapter.remote(self.name))
+        self.base.trainer.call("remove_adapter", self.name)
+        self.retired = True
 
     def evaluate(self, rollout_id: int, prompts: int = 200) -> dict[str, float]:
         """Greedy accuracy (transformers + peft) of the base model and of the base with checkpoint `rollout_id`."""
@@ -124,18 +141,21 @@ class MultiLoRARun:
         try:
             tasks = sorted({a.data.task for a in config.adapters if a.data.task is not None})
             self.initial_model = initial_model(self.run_dir, config, tasks)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
+            for index, (name, (view, rows, _)) in enumerate(checked.items()):
+                try:
+                    check_context(view, rows, self.tokenizer, self.initial_model)
+                except ConfigError as exc:
+                    raise ConfigError(f"adapters.{index} ({name}): {exc}") from None
             ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
-            self.trainer = ray.remote(LoRATrainActor).options(**actor_options(config.train.device)).remote(
-                config, str(self.initial_model), config.train.device
-            )
+            self.adapters: dict[str, AdapterRun] = {}
+            self.trainer = RestartableActor("LoRA trainer", self._start_trainer)
             self.controller = InferenceController(
                 str(self.initial_model), 0, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device,
                 config.rollout.engine_timeout_s,
             )
-            self.tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
             total = sum(a.num_steps for a in config.adapters)
             self.progress = ProgressLine("multi-LoRA", total, echo_updates=False)
-            self.adapters: dict[str, AdapterRun] = {}
             for adapter in config.adapters:
                 view, rows, reward_fn = checked[adapter.name]
                 self.adapters[adapter.name] = AdapterRun(adapter, view, self, rows, reward_fn)
@@ -145,6 +165,16 @@ class MultiLoRARun:
         except BaseException:
             self.close()
             raise
+
+    def _start_trainer(self) -> ray.actor.ActorHandle:
+        """A LoRA trainer holding every adapter still training, each restored from its checkpoint and ledger."""
+        trainer = ray.remote(LoRATrainActor).options(**actor_options(self.config.train.device)).remote(
+            self.config, str(self.initial_model), self.config.train.device
+        )
+        for branch in self.adapters.values():
+            if branch.rollout_ids() and not branch.retired:
+                branch.restore_on(trainer)
+        return trainer
 
     def active(self) -> list[AdapterRun]:
         """The adapters with rollouts left to train in this run."""
@@ -156,7 +186,7 @@ class MultiLoRARun:
         if self.controller is not None:
             self.controller.shutdown()
         if self.trainer is not None:
-            ray.kill(self.trainer)
+            self.trainer.kill()
         self.lock.release()
 
     def __enter__(self) -> "MultiLoRARun":

@@ -14,23 +14,25 @@ import logging
 import time
 from importlib import metadata
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 import ray
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from miles.checkpoint import MODEL_DIR, Ledger, RunLock, checkpoint_dir, latest_checkpoint, read_state, write_json_atomic
-from miles.cluster import actor_options, ensure_ray
+from miles.cluster import RestartableActor, actor_options, ensure_ray
 from miles.config import ConfigError, RunConfig
-from miles.data import DataSource, load_rows
+from miles.data import DataSource, check_prompt_lengths, load_rows
 from miles.evaluate import evaluate_checkpoint
 from miles.models import ensure_embedded_model
 from miles.plots import plot_reward_curve
 from miles.progress import IterationReporter
 from miles.rewards import RewardFn, resolve_reward
 from miles.rollout.inference_controller import InferenceController
-from miles.rollout.rollout_executor import RolloutExecutor
+from miles.rollout.rollout_executor import RolloutExecutor, summarize
+from miles.rollout.schema import rollout_metadata
 from miles.rollout.store import RolloutStore
 from miles.train.actor import TrainActor
 
@@ -55,6 +57,16 @@ def check_inputs(config: RunConfig) -> tuple[list[dict[str, str]], RewardFn]:
         raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
     try:
         return load_rows(config.data), resolve_reward(config.data.reward)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_context(config: RunConfig, rows: list[dict[str, str]], tokenizer, model: Path) -> None:
+    """Every prompt plus rollout.max_new_tokens must fit the model's context (before any work starts)."""
+    context = AutoConfig.from_pretrained(model).max_position_embeddings
+    source = config.data.path or f"task {config.data.task}"
+    try:
+        check_prompt_lengths(rows, tokenizer, config.rollout.max_new_tokens, context, source)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -93,29 +105,66 @@ class PolicyRun:
     label = ""
 
     def _resume(self, config: RunConfig) -> Path | None:
-        """Read the latest checkpoint; drop ledger and metrics entries past it. Returns the checkpoint."""
+        """Read the latest intact checkpoint and the rollouts trained after it (to be replayed onto it by the
+        trainer, see `_replay`); drop metrics of rollouts that will be trained again. Returns the checkpoint."""
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = latest_checkpoint(self.run_dir)
         self.resume_state = read_state(checkpoint) if checkpoint else None
-        self.start_rollout_id = self.resume_state["rollout_id"] + 1 if self.resume_state else 0
+        self.store = RolloutStore(self.run_dir)
+        self._replay_ids = self._trained_since(checkpoint)
+        self.start_rollout_id = (self.resume_state["rollout_id"] + 1 if self.resume_state else 0) + len(self._replay_ids)
         # Rollouts trained so far; the trainer is at version rollout_id + 1 after training rollout_id.
-        self.trainer_version = self.resume_state["weight_version"] if self.resume_state else 0
-        lost = Ledger(self.run_dir).forget_after(self.start_rollout_id - 1)
-        if lost:
-            log.warning("%srollouts %s were trained after the last checkpoint; they will be trained again", self.label, lost)
+        self.trainer_version = self.start_rollout_id
         self._recorded_ids = self._truncate_metrics()
         self._timings: dict[int, dict[str, float]] = {}
         self._summaries: dict[int, dict[str, Any]] = {}
         self._metrics: dict[int, dict[str, float]] = {}
         return checkpoint
 
+    def _trained_since(self, checkpoint: Path | None) -> list[int]:
+        """The rollouts trained after `checkpoint`, in order, up to the first whose stored file is gone. They leave the
+        ledger until the trainer trains them again; rollouts after a missing file are trained anew by the run."""
+        last_saved = read_state(checkpoint)["rollout_id"] if checkpoint else -1
+        ledger = Ledger(self.run_dir)
+        trained = ledger.forget_after(last_saved)
+        replay = []
+        for rollout_id in trained:
+            if rollout_id != last_saved + 1 + len(replay) or not self.store.exists(rollout_id):
+                log.warning("%srollouts %s cannot be replayed (rollout %d is not stored); they will be trained anew",
+                            self.label, trained[len(replay):], rollout_id)
+                break
+            replay.append(rollout_id)
+        return replay
+
+    def _replay(self, train_on: Callable[[int, pa.Table], dict[str, float]], rollout_ids: list[int]) -> None:
+        """Train the restored trainer on `rollout_ids` again, in order, from their stored files: with the same tables
+        (each handed over at trainer version rollout_id, as first trained) the weights come out as they were."""
+        for rollout_id in rollout_ids:
+            table, _ = self.executor.get(rollout_id, trainer_version=rollout_id)
+            train_on(rollout_id, table)
+        if rollout_ids:
+            log.warning("%sre-trained rollouts %s from their stored files onto the latest checkpoint", self.label, rollout_ids)
+
+    def _finish_replayed(self) -> None:
+        """After the start-up replay: the data cursor goes past the replayed rollouts, and a replayed rollout whose
+        metrics line was never written (the process died after training it) gets one."""
+        if not self._replay_ids:
+            return
+        ledger = Ledger(self.run_dir)
+        for rollout_id in self._replay_ids:
+            table = self.store.read(rollout_id)
+            self.data_source.position = int(rollout_metadata(table)["data_position_end"])
+            if rollout_id not in self._recorded_ids:
+                self._summaries[rollout_id] = summarize(table)
+                self._metrics[rollout_id] = ledger.trained[rollout_id]
+                self._append_metrics(self._iteration_record(rollout_id))
+
     def _start_rollouts(self, controller: InferenceController, tokenizer, rows, reward_fn: RewardFn, adapter: str | None = None) -> None:
         self.data_source = DataSource(rows, seed=self.config.seed, shuffle=self.config.data.shuffle)
         if self.resume_state:
             self.data_source.load_state_dict(self.resume_state["data"])
-        self.store = RolloutStore(self.run_dir)
         self.executor = RolloutExecutor(self.config, controller, tokenizer, self.data_source, self.store, reward_fn, adapter)
 
     @property
@@ -174,7 +223,13 @@ class PolicyRun:
 
     def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
         """Append the iteration's record to metrics.jsonl (once per rollout_id) and report progress."""
-        record = {
+        record = self._iteration_record(rollout_id)
+        self._append_metrics(record)
+        self.reporter.update_record(record)
+        return record
+
+    def _iteration_record(self, rollout_id: int) -> dict[str, Any]:
+        return {
             "rollout_id": rollout_id,
             **({"adapter": self.executor.adapter} if self.executor.adapter else {}),
             "finished_at": time.time(),
@@ -183,12 +238,12 @@ class PolicyRun:
             **{f"time_{p}": 0.0 for p in ("generate", "get", "train", "sync")},
             **self._timings.pop(rollout_id, {}),
         }
-        if rollout_id not in self._recorded_ids:
+
+    def _append_metrics(self, record: dict[str, Any]) -> None:
+        if record["rollout_id"] not in self._recorded_ids:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            self._recorded_ids.add(rollout_id)
-        self.reporter.update_record(record)
-        return record
+            self._recorded_ids.add(record["rollout_id"])
 
     def plot_reward_curve(self) -> Path:
         """<run_dir>/reward_curve.png from metrics.jsonl (the whole run, every start)."""
@@ -196,40 +251,65 @@ class PolicyRun:
 
 
 class RLRun(PolicyRun):
-    """Full-model RL: one TrainActor, engines that take full weight pushes."""
+    """Full-model RL: one TrainActor, engines that take full weight pushes.
+
+    A trainer that dies is started again on the next call (the task's retry): from the latest intact checkpoint,
+    then re-trained on the rollouts trained since, so it holds the weights it had.
+    """
 
     def __init__(self, config: RunConfig):
         rows, reward_fn = check_inputs(config)
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         self.lock = RunLock(config.run_dir)
+        self.trainer = self.controller = self.reporter = None
         try:
+            self.initial_model = initial_model(Path(config.run_dir), config, [config.data.task])
+            tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
+            check_context(config, rows, tokenizer, self.initial_model)
             checkpoint = self._resume(config)
-            self.initial_model = initial_model(self.run_dir, config, [config.data.task])
-            write_run_record(self.run_dir, config, self.initial_model,
-                             {"rollout_id": self.start_rollout_id, "checkpoint": str(checkpoint) if checkpoint else None})
+            write_run_record(self.run_dir, config, self.initial_model, {
+                "rollout_id": self.start_rollout_id, "checkpoint": str(checkpoint) if checkpoint else None,
+                "replayed": self._replay_ids,
+            })
             ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
-            self.trainer = ray.remote(TrainActor).options(**actor_options(config.train.device)).remote(
-                config, str(self.initial_model), str(checkpoint) if checkpoint else None, config.train.device
-            )
+            saved_version = self.resume_state["weight_version"] if self.resume_state else 0
             engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
             self.controller = InferenceController(
-                str(engine_model), self.trainer_version, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device,
+                str(engine_model), saved_version, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device,
                 config.rollout.engine_timeout_s,
             )
-            self._start_rollouts(self.controller, AutoTokenizer.from_pretrained(self.initial_model), rows, reward_fn)
+            self._start_rollouts(self.controller, tokenizer, rows, reward_fn)
+            self.trainer = RestartableActor("trainer", self._start_trainer)
+            self._finish_replayed()
+            if self.trainer_version != saved_version:  # the replayed rollouts moved the trainer past the checkpoint
+                self.controller.update_weights(self.trainer.remote("weights"), self.trainer_version)
             self.reporter = IterationReporter(config.num_rollout, self.start_rollout_id)
         except BaseException:
-            self.lock.release()
+            self.close()
             raise
 
+    def _start_trainer(self) -> ray.actor.ActorHandle:
+        """A TrainActor from the latest intact checkpoint, re-trained on the rollouts trained after it."""
+        checkpoint = latest_checkpoint(self.run_dir)
+        replay = self._replay_ids if self.trainer is None else self._trained_since(checkpoint)
+        trainer = ray.remote(TrainActor).options(**actor_options(self.config.train.device)).remote(
+            self.config, str(self.initial_model), str(checkpoint) if checkpoint else None, self.config.train.device
+        )
+        self._replay(lambda rollout_id, table: ray.get(trainer.train.remote(rollout_id, table)), replay)
+        return trainer
+
     def _train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
-        return ray.get(self.trainer.train.remote(rollout_id, table))
+        return self.trainer.call("train", rollout_id, table)
 
     def sync_weights(self, rollout_id: int) -> int:
         """Push the weights trained on `rollout_id` to every engine as version rollout_id + 1."""
         started = time.perf_counter()
         version = rollout_id + 1
-        self.controller.update_weights(self.trainer.weights.remote(), version)
+        try:
+            self.controller.update_weights(self.trainer.remote("weights"), version)
+        except ray.exceptions.RayActorError:
+            self.trainer.check()  # the engines are alive (the controller checked): was it the trainer?
+            raise
         self._timed(rollout_id, "sync", started)
         return version
 
@@ -237,7 +317,7 @@ class RLRun(PolicyRun):
         return (rollout_id + 1) % self.config.update_weights_interval == 0 or rollout_id == self.config.num_rollout - 1
 
     def save_checkpoint(self, rollout_id: int) -> str:
-        return ray.get(self.trainer.save_checkpoint.remote(rollout_id, self._checkpoint_state(rollout_id)))
+        return self.trainer.call("save_checkpoint", rollout_id, self._checkpoint_state(rollout_id))
 
     def evaluate(self, rollout_id: int, prompts: int = 200) -> dict[str, float]:
         """Greedy accuracy (plain transformers) of the starting model and of checkpoint `rollout_id`."""
@@ -250,9 +330,12 @@ class RLRun(PolicyRun):
         }
 
     def close(self) -> None:
-        self.reporter.close()
-        self.controller.shutdown()
-        ray.kill(self.trainer)
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.controller is not None:
+            self.controller.shutdown()
+        if self.trainer is not None:
+            self.trainer.kill()
         self.lock.release()
 
     def __enter__(self) -> "RLRun":

@@ -47,26 +47,53 @@ def prefect_api(tmp_path_factory):
         yield
 
 
-@pytest.fixture
-def small_config(tmp_path, tiny_model_dir):
+def small_config_for(model_dir: Path, run_dir: Path, *overrides: str, **fields):
     """A RunConfig that runs an iteration in well under a second on the tiny model."""
     from miles.config import load_config
 
+    base = [
+        f"model.path={model_dir}",
+        "rollout.rollout_batch_size=8",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.num_threads=1",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=8",
+        "train.num_threads=1",
+        "train.lr=1e-3",
+        # Partial credit, so that the barely warmed-up model's groups have reward variance to learn from.
+        "data.reward=digit_match",
+    ]
+    fields.setdefault("num_rollout", 2)
+    return load_config(None, base + list(overrides), run_dir=str(run_dir), **fields)
+
+
+@pytest.fixture
+def small_config(tmp_path, tiny_model_dir):
     def make(*overrides: str, **fields):
-        base = [
-            f"model.path={tiny_model_dir}",
-            "rollout.rollout_batch_size=8",
-            "rollout.n_samples_per_prompt=4",
-            "rollout.num_threads=1",
-            "train.global_batch_size=16",
-            "train.micro_batch_size=8",
-            "train.num_threads=1",
-            "train.lr=1e-3",
-            # Partial credit, so that the barely warmed-up model's groups have reward variance to learn from.
-            "data.reward=digit_match",
-        ]
-        fields.setdefault("run_dir", str(tmp_path / "run"))
-        fields.setdefault("num_rollout", 2)
-        return load_config(None, base + list(overrides), **fields)
+        return small_config_for(tiny_model_dir, fields.pop("run_dir", tmp_path / "run"), *overrides, **fields)
 
     return make
+
+
+RECOVERY_RUN = dict(num_rollout=5, save_interval=2)  # checkpoints after rollouts 1, 3 and 4
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_weights(ray_session, tiny_model_dir, tmp_path_factory):
+    """The final weights of an uninterrupted sync run of RECOVERY_RUN: what a recovered run must end with."""
+    from miles.loop import run_sync
+
+    config = small_config_for(tiny_model_dir, tmp_path_factory.mktemp("uninterrupted") / "run", **RECOVERY_RUN)
+    run_sync(config)
+    return final_weights(config.run_dir, RECOVERY_RUN["num_rollout"] - 1)
+
+
+def final_weights(run_dir, rollout_id: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "checkpoints" / str(rollout_id) / "model" / "model.safetensors"))
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)

@@ -14,6 +14,9 @@ class RolloutStore:
     def __init__(self, run_dir: str | Path):
         self.root = Path(run_dir) / "rollouts"
         self.root.mkdir(parents=True, exist_ok=True)
+        # A process killed while writing leaves its temp file (never a partial rollout file): clear them.
+        for unfinished in self.root.glob(".rollout_*"):
+            unfinished.unlink()
 
     def path(self, rollout_id: int) -> Path:
         return self.root / f"rollout_{rollout_id}.arrow"

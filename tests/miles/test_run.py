@@ -6,13 +6,15 @@ import sys
 from pathlib import Path
 
 import pyarrow as pa
-import ray
+import pytest
 import torch
 
-from miles.checkpoint import latest_checkpoint, read_state
+from miles.checkpoint import Ledger, latest_checkpoint, read_state
+from miles.config import ConfigError
 from miles.loop import run_sync
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.run import RLRun
+from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -78,11 +80,11 @@ def test_train_twice_on_one_rollout_steps_once(ray_session, small_config):
     with RLRun(small_config(num_rollout=1)) as run:
         run.generate(0)
         table = run.get(0)
-        before = ray.get(run.trainer.weights.remote())
+        before = run.trainer.call("weights")
         first = run.train(0, table)
-        after_first = ray.get(run.trainer.weights.remote())
+        after_first = run.trainer.call("weights")
         second = run.train(0, table)
-        after_second = ray.get(run.trainer.weights.remote())
+        after_second = run.trainer.call("weights")
     assert any(not torch.equal(before[k], after_first[k]) for k in before)
     assert all(torch.equal(after_first[k], after_second[k]) for k in before)
     assert second == first
@@ -103,3 +105,59 @@ def test_iterations_per_run_trains_a_slice_then_the_next_run_resumes(ray_session
     assert [r["rollout_id"] for r in run_sync(config)] == [2, 3]
     assert [r["rollout_id"] for r in run_sync(config)] == [4]
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3, 4]
+
+
+def _stop_after(config, trained: int, generated: int | None = None) -> None:
+    """A run stopped after training rollouts 0..trained (saving when due, as a flow does) and generating `generated`."""
+    with RLRun(config) as run:
+        for rollout_id in range(trained + 1):
+            run.generate(rollout_id)
+            run.train(rollout_id, run.get(rollout_id))
+            run.sync_weights(rollout_id)
+            if run.should_save(rollout_id):
+                run.save_checkpoint(rollout_id)
+            run.finish_iteration(rollout_id)
+        if generated is not None:
+            run.generate(generated)
+
+
+def test_resume_replays_rollouts_trained_after_the_checkpoint(small_config, uninterrupted_weights):
+    config = small_config(**RECOVERY_RUN)
+    _stop_after(config, trained=2, generated=3)  # checkpoint 1; rollout 2 trained after it; rollout 3 not trained
+    rollout_3 = Path(config.run_dir) / "rollouts" / "rollout_3.arrow"
+    generated_at = rollout_3.stat().st_mtime_ns
+
+    records = run_sync(config)
+
+    assert [r["rollout_id"] for r in records] == [3, 4]  # rollout 2 is not an iteration again
+    assert rollout_3.stat().st_mtime_ns == generated_at  # reused, not regenerated
+    assert sorted(Ledger(config.run_dir).trained) == [0, 1, 2, 3, 4]
+    assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3, 4]
+    starts = json.loads((Path(config.run_dir) / "run.json").read_text())["starts"]
+    assert [(s["rollout_id"], s["replayed"]) for s in starts] == [(0, []), (3, [2])]
+    assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(small_config, uninterrupted_weights, caplog):
+    config = small_config(**RECOVERY_RUN)
+    _stop_after(config, trained=3)  # checkpoints 1 and 3
+    weights_file = Path(config.run_dir) / "checkpoints" / "3" / "model" / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])  # a disk that filled up, a copy cut short
+
+    with caplog.at_level("WARNING", logger="miles"):
+        records = run_sync(config)
+
+    assert "checkpoint" in caplog.text and "model/model.safetensors has 1000 bytes" in caplog.text
+    assert [r["rollout_id"] for r in records] == [4]
+    starts = json.loads((Path(config.run_dir) / "run.json").read_text())["starts"]
+    assert starts[-1]["checkpoint"].endswith("checkpoints/1") and starts[-1]["replayed"] == [2, 3]
+    assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0
+
+
+def test_prompt_longer_than_the_context_is_refused_before_any_work(small_config, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+2=", "label": "3"}\n' + json.dumps({"prompt": "1+" * 40 + "=", "label": "x"}) + "\n")
+    config = small_config("data.task=null", f"data.path={data}", run_dir=str(tmp_path / "never"))
+    with pytest.raises(ConfigError, match=rf"{data}: row 2: the prompt is \d+ tokens; with rollout.max_new_tokens=4"):
+        RLRun(config)
+    assert not (tmp_path / "never" / "rollouts").exists()

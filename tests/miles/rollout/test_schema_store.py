@@ -154,3 +154,12 @@ def test_whole_file_is_synced_before_rename(tmp_path, monkeypatch):
     path = store.write(4, rollout_table())
     assert synced_sizes, "write never calls fsync"
     assert synced_sizes[-1] == path.stat().st_size
+
+
+def test_temp_files_of_a_killed_writer_are_cleared_and_never_read_as_rollouts(tmp_path):
+    (tmp_path / "rollouts").mkdir()
+    unfinished = tmp_path / "rollouts" / ".rollout_3.arrow.k2j4x"
+    unfinished.write_bytes(b"ARROW1\x00\x00 cut short")
+    store = RolloutStore(tmp_path)
+    assert not unfinished.exists()
+    assert not store.exists(3)
