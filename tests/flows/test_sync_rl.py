@@ -8,6 +8,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 
 from flows.sync_rl import sync_rl
+from miles.checkpoint import Ledger
+from miles.run import RLRun
+from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff
+from tests.faults import assert_whole_rollouts, fault_before, freeze_then_kill
 
 
 async def _history(flow_run_id):
@@ -36,3 +40,28 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
     table = next(a for a in artifacts if a.type == "table")
     assert [row["rollout_id"] for row in json.loads(table.data)] == [0, 1]
     assert [json.loads(line)["rollout_id"] for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
+    ray_session, prefect_api, small_config, monkeypatch, uninterrupted_weights
+):
+    config = small_config(**RECOVERY_RUN)
+    engine_killed = fault_before(monkeypatch, RLRun, "generate", lambda run, i: i == 2,
+                                 lambda run: freeze_then_kill(run.controller.engines[0]))
+    # Rollout 2 is trained after checkpoint 1, so the restored trainer must replay it before training rollout 3.
+    trainer_killed = fault_before(monkeypatch, RLRun, "_train", lambda run, i: i == 3,
+                                  lambda run: freeze_then_kill(run.trainer.handle))
+
+    state = sync_rl(config, return_state=True)
+
+    assert state.is_completed(), state.message
+    assert [i for i, _ in engine_killed] == [2] and [i for i, _ in trainer_killed] == [3]
+    _, task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+    runs = {r.name: r for r in task_runs}
+    assert runs["generate[rollout=2]"].run_count == 2 and runs["train_step[rollout=3]"].run_count == 2
+    assert all(r.state.is_completed() for r in task_runs)
+    assert sum(r.run_count for r in task_runs) == len(task_runs) + 2  # no other retries
+    assert sorted(Ledger(config.run_dir).trained) == [0, 1, 2, 3, 4]
+    assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
+    # fp32 on the CPU, same seeds: every rollout applied exactly once gives the uninterrupted run's weights.
+    assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0
