@@ -8,9 +8,14 @@ import pyarrow as pa
 from peft import PeftConfig
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
+from safetensors.torch import load_file
 
 from flows.multi_lora import multi_lora
 from miles.checkpoint import Ledger
+from miles.loop import run_multi_lora
+from miles.multi_lora import AdapterRun
+from tests.conftest import max_abs_diff
+from tests.faults import assert_whole_rollouts, fault_before, freeze_then_kill
 
 ADAPTERS = [
     "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 3, rollout_batch_size: 4,"
@@ -74,3 +79,32 @@ def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_
     assert [r["rollout_id"] for r in _metrics(run_dir / "adapters" / "add" / "metrics.jsonl")] == [0, 1, 2, 3]
     starts = json.loads((run_dir / "run.json").read_text())["starts"]
     assert [s["rollout_id"] for s in starts] == [{"add": 0, "sub": 0}, {"add": 3, "sub": 2}]
+
+
+def _adapter_weights(run_dir, adapter: str, rollout_id: int) -> dict:
+    return load_file(str(Path(run_dir) / "adapters" / adapter / "checkpoints" / str(rollout_id) / "adapter" / "adapter_model.safetensors"))
+
+
+def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
+    ray_session, prefect_api, small_config, monkeypatch, tmp_path
+):
+    reference = small_config(*ADAPTERS, run_dir=str(tmp_path / "uninterrupted"))
+    run_multi_lora(reference)  # each adapter's samples and steps depend on its own seeds only, not on the interleaving
+    config = small_config(*ADAPTERS)  # no checkpoint before an adapter's last rollout: a restore replays its ledger
+    fault_before(monkeypatch, AdapterRun, "generate", lambda branch, i: (branch.name, i) == ("sub", 1),
+                 lambda branch: freeze_then_kill(branch.controller.engines[0]))
+    fault_before(monkeypatch, AdapterRun, "_train", lambda branch, i: (branch.name, i) == ("add", 2),
+                 lambda branch: freeze_then_kill(branch.base.trainer.handle))
+
+    state = multi_lora(config, return_state=True)
+
+    assert state.is_completed(), state.message
+    task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+    runs = {r.name: r for r in task_runs}
+    assert runs["generate[sub, rollout=1]"].run_count == 2 and runs["train_step[add, rollout=2]"].run_count == 2
+    assert all(r.state.is_completed() for r in task_runs)
+    for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):
+        adapter_dir = Path(config.run_dir) / "adapters" / adapter
+        assert sorted(Ledger(adapter_dir).trained) == list(range(steps))
+        assert_whole_rollouts(adapter_dir, range(steps), samples)
+        assert max_abs_diff(_adapter_weights(config.run_dir, adapter, steps - 1), _adapter_weights(reference.run_dir, adapter, steps - 1)) == 0.0
