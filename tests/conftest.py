@@ -47,11 +47,9 @@ def prefect_api(tmp_path_factory):
         yield
 
 
-def small_config_for(model_dir: Path, run_dir: Path, *overrides: str, **fields):
-    """A RunConfig that runs an iteration in well under a second on the tiny model."""
-    from miles.config import load_config
-
-    base = [
+def small_overrides(model_dir: Path) -> list[str]:
+    """Config overrides that make an iteration take well under a second on the tiny model."""
+    return [
         f"model.path={model_dir}",
         "rollout.rollout_batch_size=8",
         "rollout.n_samples_per_prompt=4",
@@ -63,8 +61,13 @@ def small_config_for(model_dir: Path, run_dir: Path, *overrides: str, **fields):
         # Partial credit, so that the barely warmed-up model's groups have reward variance to learn from.
         "data.reward=digit_match",
     ]
+
+
+def small_config_for(model_dir: Path, run_dir: Path, *overrides: str, **fields):
+    from miles.config import load_config
+
     fields.setdefault("num_rollout", 2)
-    return load_config(None, base + list(overrides), run_dir=str(run_dir), **fields)
+    return load_config(None, small_overrides(model_dir) + list(overrides), run_dir=str(run_dir), **fields)
 
 
 @pytest.fixture

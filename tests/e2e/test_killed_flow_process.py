@@ -1,0 +1,90 @@
+"""SIGKILL of the `miles run sync` process mid-run, then the same command again: the run resumes where it was."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from miles.checkpoint import Ledger
+from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff, small_overrides
+from tests.e2e.test_cli import PROJECT
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every process under `root`."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in found:
+                found[child] = commands[child]
+                frontier.append(child)
+    return found
+
+
+def _wait_for(condition, what: str, timeout_s: float = 240.0, every_s: float = 0.005) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every_s)
+
+
+def _metrics_ids(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["rollout_id"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_killed_flow_process_resumes_at_the_right_rollout(tmp_path, tiny_model_dir, uninterrupted_weights):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "flows.cli", "run", "sync", "--run-dir", str(run_dir),
+            "--num-rollout", str(RECOVERY_RUN["num_rollout"]), "--set", f"save_interval={RECOVERY_RUN['save_interval']}",
+            *[part for override in small_overrides(tiny_model_dir) for part in ("--set", override)]]
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    env["PYTHONPATH"] = str(PROJECT)
+    first = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        # Once rollout 2 is finished, freeze the trainer: rollout 3 gets generated and stored, its training cannot end.
+        _wait_for(lambda: 2 in _metrics_ids(run_dir), "rollout 2 to finish")
+        trainers = [pid for pid, command in _descendants(first.pid).items() if command.startswith("ray::TrainActor")]
+        assert len(trainers) == 1, _descendants(first.pid)
+        os.kill(trainers[0], signal.SIGSTOP)
+        rollout_3 = run_dir / "rollouts" / "rollout_3.arrow"
+        _wait_for(rollout_3.exists, "rollout 3 to be stored")
+        time.sleep(0.5)
+        os.kill(first.pid, signal.SIGKILL)
+    finally:
+        try:  # what the killed process leaves behind (the frozen trainer, its API server) goes too
+            os.killpg(first.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        first.wait(30)
+
+    assert sorted(Ledger(run_dir).trained) == [0, 1, 2]  # killed before rollout 3 was trained
+    assert (run_dir / "run.lock").read_text() == str(first.pid)  # a stale lock: its process is dead
+    generated_at = rollout_3.stat().st_mtime_ns
+
+    again = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "stale lock" in again.stdout + again.stderr
+    assert "rollout 4/5" in again.stdout and "rollout 5/5" in again.stdout and "rollout 3/5" not in again.stdout
+    assert rollout_3.stat().st_mtime_ns == generated_at  # generated before the kill: reused, not regenerated
+    assert sorted(Ledger(run_dir).trained) == [0, 1, 2, 3, 4]
+    assert _metrics_ids(run_dir) == [0, 1, 2, 3, 4]
+    starts = json.loads((run_dir / "run.json").read_text())["starts"]
+    assert [(s["rollout_id"], s["replayed"]) for s in starts] == [(0, []), (3, [2])]
+    assert not (run_dir / "run.lock").exists()
+    assert max_abs_diff(final_weights(run_dir, 4), uninterrupted_weights) == 0.0
