@@ -15,8 +15,8 @@ from flows.runtime import wait_for_task_history
 from miles.run import RLRun
 from tasks import evaluate
 
-TABLE_COLUMNS = ("rollout_id", "reward_mean", "response_length_mean", "loss", "grad_norm", "clip_fraction", "entropy",
-                 "staleness_mean", "time_generate", "time_get", "time_train", "time_sync")
+TABLE_COLUMNS = ("rollout_id", "reward_mean", "response_length_mean", "failed_samples", "loss", "grad_norm", "clip_fraction",
+                 "entropy", "staleness_mean", "time_generate", "time_get", "time_train", "time_sync")
 
 
 class RunReport:

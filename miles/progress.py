@@ -9,9 +9,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 def format_record(record: dict, total: int) -> str:
+    failed = f"  failed {record['failed_samples']}" if record.get("failed_samples") else ""
     return (
         f"rollout {record['rollout_id'] + 1}/{total}  reward {record['reward_mean']:.3f}  "
-        f"len {record['response_length_mean']:.2f}  gen {record['time_generate']:.2f}s  "
+        f"len {record['response_length_mean']:.2f}{failed}  gen {record['time_generate']:.2f}s  "
         f"train {record['time_train']:.2f}s  sync {record['time_sync']:.2f}s"
     )
 

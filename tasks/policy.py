@@ -1,9 +1,11 @@
 """The retry policy of every task, in one place: transient failures are retried, bad input is not.
 
 A ValueError, TypeError or KeyError (a ConfigError is a ValueError) says the config or the data is wrong; a
-retry would fail the same way, so the task fails at once with that message. Anything else (an actor that died,
-a lost connection, a timeout) is retried after 1 s, then 4 s, then 10 s, each stretched by up to 50% jitter.
-The retries show in the task run's state history in the UI.
+retry would fail the same way, so the task fails at once with that message. Anything else is retried after 1 s,
+then 4 s, then 10 s, each stretched by up to 50% jitter: an engine that died or hung (EngineRestarted: the
+controller has already restarted it with the current weights), a trainer that died (ActorLost: the retry
+restores it from the latest checkpoint and the ledger), a lost connection. The retries show in the task run's
+state history in the UI.
 """
 
 from __future__ import annotations

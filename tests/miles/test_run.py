@@ -161,3 +161,22 @@ def test_prompt_longer_than_the_context_is_refused_before_any_work(small_config,
     with pytest.raises(ConfigError, match=rf"{data}: row 2: the prompt is \d+ tokens; with rollout.max_new_tokens=4"):
         RLRun(config)
     assert not (tmp_path / "never" / "rollouts").exists()
+
+
+def test_samples_whose_reward_fails_are_counted_and_the_run_goes_on(small_config, tmp_path, caplog):
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a, b in ((1, 2), (3, 4), (10, 5), (7, 7), (20, 1), (6, 3))]
+    rows += [{"prompt": "5+5=", "label": "raise"}, {"prompt": "9+1=", "label": "nan"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = "tests.miles.rollout.rewards_for_tests:fails_on_some_labels"
+    config = small_config("data.task=null", f"data.path={data}", f"data.reward={reward}", num_rollout=2)
+
+    with caplog.at_level("WARNING", logger="miles"):
+        records = run_sync(config)  # each rollout holds all 8 prompts: 2 of them, x 4 samples, fail
+
+    assert [(r["rollout_id"], r["failed_samples"]) for r in records] == [(0, 8), (1, 8)]
+    assert sorted(Ledger(config.run_dir).trained) == [0, 1]
+    assert f"data.reward {reward!r} failed on 8 of 32 samples" in caplog.text
+    table = pa.ipc.open_file(pa.memory_map(str(Path(config.run_dir) / "rollouts" / "rollout_0.arrow"))).read_all()
+    failed = [row for row in table.to_pylist() if row["status"] == "failed"]
+    assert sorted({row["label"] for row in failed}) == ["nan", "raise"] and all(row["raw_reward"] is None for row in failed)
