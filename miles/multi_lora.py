@@ -66,20 +66,20 @@ class AdapterRun(PolicyRun):
         self.controller = base.controller
         self.initial_model = base.initial_model
         self.retired = False
-        checkpoint = self._resume(view)
+        self._resume(view)
         self._start_rollouts(base.controller, base.tokenizer, rows, reward_fn, adapter=adapter.name)
         self.reporter = AdapterReporter(base.progress, adapter.name, view.num_rollout)
         if self.rollout_ids():
-            self.base.trainer.call("add_adapter", adapter, view, str(checkpoint) if checkpoint else None)
-            self._replay(lambda rollout_id, table: self.base.trainer.call("train", self.name, rollout_id, table), self._replay_ids)
+            self.restore_on(base.trainer.handle)
             self._finish_replayed()
             self.lora_config = self.base.trainer.call("adapter_config", adapter.name)
             self._push(self.trainer_version)
 
     def restore_on(self, trainer: ray.actor.ActorHandle) -> None:
-        """Add this adapter to a restarted trainer: its latest intact checkpoint, then the rollouts trained since."""
+        """Add this adapter to `trainer` (at the start, or after a restart): its latest intact checkpoint, then the
+        rollouts trained since."""
         checkpoint = latest_checkpoint(self.run_dir)
-        replay = self._trained_since(checkpoint)
+        replay = self._take_replay(checkpoint)
         ray.get(trainer.add_adapter.remote(self.adapter, self.config, str(checkpoint) if checkpoint else None))
         self._replay(lambda rollout_id, table: ray.get(trainer.train.remote(self.name, rollout_id, table)), replay)
 

@@ -124,11 +124,10 @@ class PolicyRun:
         return checkpoint
 
     def _trained_since(self, checkpoint: Path | None) -> list[int]:
-        """The rollouts trained after `checkpoint`, in order, up to the first whose stored file is gone. They leave the
-        ledger until the trainer trains them again; rollouts after a missing file are trained anew by the run."""
+        """The rollouts trained after `checkpoint` (the ledger lists them), in order, up to the first whose stored file
+        is gone; the run trains the ones after a missing file anew."""
         last_saved = read_state(checkpoint)["rollout_id"] if checkpoint else -1
-        ledger = Ledger(self.run_dir)
-        trained = ledger.forget_after(last_saved)
+        trained = sorted(k for k in Ledger(self.run_dir).trained if k > last_saved)
         replay = []
         for rollout_id in trained:
             if rollout_id != last_saved + 1 + len(replay) or not self.store.exists(rollout_id):
@@ -138,9 +137,16 @@ class PolicyRun:
             replay.append(rollout_id)
         return replay
 
+    def _take_replay(self, checkpoint: Path | None) -> list[int]:
+        """`_trained_since(checkpoint)`, taken out of the ledger: the trainer records each again as it re-trains it.
+        Call it before the trainer reads the ledger."""
+        replay = self._trained_since(checkpoint)
+        Ledger(self.run_dir).forget_after(read_state(checkpoint)["rollout_id"] if checkpoint else -1)
+        return replay
+
     def _replay(self, train_on: Callable[[int, pa.Table], dict[str, float]], rollout_ids: list[int]) -> None:
-        """Train the restored trainer on `rollout_ids` again, in order, from their stored files: with the same tables
-        (each handed over at trainer version rollout_id, as first trained) the weights come out as they were."""
+        """Train a restored trainer on `rollout_ids` again, in order, from their stored files: with the same tables
+        (each handed over at trainer version rollout_id, as when first trained) the weights come out as they were."""
         for rollout_id in rollout_ids:
             table, _ = self.executor.get(rollout_id, trainer_version=rollout_id)
             train_on(rollout_id, table)
@@ -291,7 +297,7 @@ class RLRun(PolicyRun):
     def _start_trainer(self) -> ray.actor.ActorHandle:
         """A TrainActor from the latest intact checkpoint, re-trained on the rollouts trained after it."""
         checkpoint = latest_checkpoint(self.run_dir)
-        replay = self._replay_ids if self.trainer is None else self._trained_since(checkpoint)
+        replay = self._take_replay(checkpoint)
         trainer = ray.remote(TrainActor).options(**actor_options(self.config.train.device)).remote(
             self.config, str(self.initial_model), str(checkpoint) if checkpoint else None, self.config.train.device
         )
