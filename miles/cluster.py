@@ -67,18 +67,19 @@ class RestartableActor:
             self._mark_lost(handle)
             raise ActorLost(f"the {self.name} died during {method} ({_first_line(exc)}); it restarts on the next call") from exc
 
-    def remote(self, method: str, *args: Any) -> ray.ObjectRef:
-        """A call whose result another actor consumes; after a failure there, `check()` tells whether this actor died."""
-        return getattr(self._live(), method).remote(*args)
-
-    def check(self) -> None:
-        """Raise ActorLost (and restart on the next call) if the actor is dead."""
-        handle = self.handle
+    def hand_over(self, method: str, *args: Any, to: Callable[[ray.ObjectRef], Any]) -> Any:
+        """`to(ref)` with `ref` the pending result of `method`, for another actor to consume without a copy here. If
+        that fails with an actor error and this actor is the one that died, raise ActorLost."""
+        handle = self._live()
         try:
-            ray.get(handle.__ray_ready__.remote(), timeout=HEALTH_TIMEOUT_S)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            self._mark_lost(handle)
-            raise ActorLost(f"the {self.name} died ({_first_line(exc)}); it restarts on the next call") from exc
+            return to(getattr(handle, method).remote(*args))
+        except ray.exceptions.RayActorError as exc:
+            try:
+                ray.get(handle.__ray_ready__.remote(), timeout=HEALTH_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._mark_lost(handle)
+                raise ActorLost(f"the {self.name} died during {method} ({_first_line(exc)}); it restarts on the next call") from exc
+            raise
 
     def _live(self) -> ray.actor.ActorHandle:
         with self._lock:

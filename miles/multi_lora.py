@@ -87,12 +87,9 @@ class AdapterRun(PolicyRun):
         return self.base.trainer.call("train", self.name, rollout_id, table)
 
     def _push(self, version: int) -> None:
-        weights = self.base.trainer.remote("adapter_weights", self.name)
-        try:
-            self.controller.load_adapter(self.name, weights, self.lora_config, version)
-        except ray.exceptions.RayActorError:
-            self.base.trainer.check()  # the engines are alive (the controller checked): was it the trainer?
-            raise
+        self.base.trainer.hand_over(
+            "adapter_weights", self.name, to=lambda weights: self.controller.load_adapter(self.name, weights, self.lora_config, version)
+        )
 
     def is_last(self, rollout_id: int) -> bool:
         """The adapter's final rollout: after it the adapter retires instead of being pushed."""

@@ -288,7 +288,7 @@ class RLRun(PolicyRun):
             self.trainer = RestartableActor("trainer", self._start_trainer)
             self._finish_replayed()
             if self.trainer_version != saved_version:  # the replayed rollouts moved the trainer past the checkpoint
-                self.controller.update_weights(self.trainer.remote("weights"), self.trainer_version)
+                self.trainer.hand_over("weights", to=lambda weights: self.controller.update_weights(weights, self.trainer_version))
             self.reporter = IterationReporter(config.num_rollout, self.start_rollout_id)
         except BaseException:
             self.close()
@@ -311,11 +311,7 @@ class RLRun(PolicyRun):
         """Push the weights trained on `rollout_id` to every engine as version rollout_id + 1."""
         started = time.perf_counter()
         version = rollout_id + 1
-        try:
-            self.controller.update_weights(self.trainer.remote("weights"), version)
-        except ray.exceptions.RayActorError:
-            self.trainer.check()  # the engines are alive (the controller checked): was it the trainer?
-            raise
+        self.trainer.hand_over("weights", to=lambda weights: self.controller.update_weights(weights, version))
         self._timed(rollout_id, "sync", started)
         return version
 

@@ -1,0 +1,97 @@
+"""RestartableActor: a dead actor is started again on the next call, once, however many callers met the death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import ray
+
+from miles.cluster import ActorLost, RestartableActor
+from tests.faults import actor_pid, freeze_then_kill
+
+
+@ray.remote(num_cpus=0)
+class Counter:
+    def __init__(self, start: int):
+        self.value = start
+
+    def add(self, amount: int) -> int:
+        self.value += amount
+        return self.value
+
+    def payload(self) -> list[int]:
+        return [self.value] * 3
+
+
+@ray.remote(num_cpus=0)
+class Consumer:
+    def total(self, payload: list[int]) -> int:
+        return sum(payload)
+
+    def exit(self, payload: list[int]) -> None:
+        os._exit(1)
+
+
+@pytest.fixture
+def counter(ray_session):
+    starts: list[int] = []
+
+    def start():
+        handle = Counter.remote(100 * len(starts))  # "restored state": 0 at first, 100 after the first restart
+        starts.append(len(starts))
+        return handle
+
+    actor = RestartableActor("counter", start)
+    yield actor, starts
+    actor.kill()
+
+
+def test_a_dead_actor_fails_its_call_then_restarts_on_the_next(counter):
+    actor, starts = counter
+    assert actor.call("add", 1) == 1
+    os.kill(actor_pid(actor.handle), signal.SIGKILL)
+    with pytest.raises(ActorLost, match="the counter died during add"):
+        actor.call("add", 1)
+    assert actor.call("add", 5) == 105  # rebuilt by start(), then the call
+    assert starts == [0, 1]
+
+
+def test_callers_that_meet_one_death_restart_it_once(counter):
+    actor, starts = counter
+    freeze_then_kill(actor.handle, after_s=0.5)
+    outcomes: list = []
+    threads = [threading.Thread(target=lambda: outcomes.append(_try(actor.call, "add", 1))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(o, ActorLost) for o in outcomes) and len(outcomes) == 3
+    assert [actor.call("add", 1) for _ in range(3)] == [101, 102, 103]
+    assert starts == [0, 1]
+
+
+def test_hand_over_names_a_dead_producer_and_passes_other_errors_through(counter):
+    actor, starts = counter
+    consumer = Consumer.remote()
+    assert actor.hand_over("payload", to=lambda ref: ray.get(consumer.total.remote(ref))) == 0
+
+    with pytest.raises(ray.exceptions.RayActorError) as caught:  # the consumer died, the producer is fine
+        actor.hand_over("payload", to=lambda ref: ray.get(consumer.exit.remote(ref)))
+    assert not isinstance(caught.value, ActorLost)
+
+    consumer = Consumer.remote()
+    freeze_then_kill(actor.handle, after_s=0.5)
+    with pytest.raises(ActorLost, match="the counter died during payload"):
+        actor.hand_over("payload", to=lambda ref: ray.get(consumer.total.remote(ref)))
+    assert actor.hand_over("payload", to=lambda ref: ray.get(consumer.total.remote(ref))) == 300
+    assert starts == [0, 1]
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        return exc
