@@ -126,6 +126,8 @@ def write_checkpoint(run_dir: str | Path, rollout_id: int, state: dict[str, Any]
         return target
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
+    for unfinished in root.glob(f".staging-{rollout_id}-*"):  # an attempt that died while writing (one writer per run)
+        shutil.rmtree(unfinished, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".staging-{rollout_id}-", dir=root))
     write_files(staging)
     write_json_atomic(staging / STATE_FILE, {**state, "rollout_id": rollout_id})

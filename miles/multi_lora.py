@@ -158,7 +158,8 @@ class MultiLoRARun:
                 self.adapters[adapter.name] = AdapterRun(adapter, view, self, rows, reward_fn)
             self.progress.update(sum(a.start_rollout_id for a in self.adapters.values()))
             write_run_record(self.run_dir, config, self.initial_model,
-                             {"rollout_id": {name: a.start_rollout_id for name, a in self.adapters.items()}})
+                             {"rollout_id": {name: a.start_rollout_id for name, a in self.adapters.items()},
+                              "replayed": {name: a.replayed_at_start for name, a in self.adapters.items()}})
         except BaseException:
             self.close()
             raise

@@ -113,8 +113,8 @@ class PolicyRun:
         checkpoint = latest_checkpoint(self.run_dir)
         self.resume_state = read_state(checkpoint) if checkpoint else None
         self.store = RolloutStore(self.run_dir)
-        self._replay_ids = self._trained_since(checkpoint)
-        self.start_rollout_id = (self.resume_state["rollout_id"] + 1 if self.resume_state else 0) + len(self._replay_ids)
+        self.replayed_at_start = self._trained_since(checkpoint)
+        self.start_rollout_id = (self.resume_state["rollout_id"] + 1 if self.resume_state else 0) + len(self.replayed_at_start)
         # Rollouts trained so far; the trainer is at version rollout_id + 1 after training rollout_id.
         self.trainer_version = self.start_rollout_id
         self._recorded_ids = self._truncate_metrics()
@@ -156,10 +156,10 @@ class PolicyRun:
     def _finish_replayed(self) -> None:
         """After the start-up replay: the data cursor goes past the replayed rollouts, and a replayed rollout whose
         metrics line was never written (the process died after training it) gets one."""
-        if not self._replay_ids:
+        if not self.replayed_at_start:
             return
         ledger = Ledger(self.run_dir)
-        for rollout_id in self._replay_ids:
+        for rollout_id in self.replayed_at_start:
             table = self.store.read(rollout_id)
             self.data_source.position = int(rollout_metadata(table)["data_position_end"])
             if rollout_id not in self._recorded_ids:
@@ -275,7 +275,7 @@ class RLRun(PolicyRun):
             checkpoint = self._resume(config)
             write_run_record(self.run_dir, config, self.initial_model, {
                 "rollout_id": self.start_rollout_id, "checkpoint": str(checkpoint) if checkpoint else None,
-                "replayed": self._replay_ids,
+                "replayed": self.replayed_at_start,
             })
             ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
             saved_version = self.resume_state["weight_version"] if self.resume_state else 0

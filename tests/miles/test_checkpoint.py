@@ -260,3 +260,11 @@ def test_ledger_forget_after_sorts_numerically(tmp_path):
         ledger.record(i, {})
     assert ledger.forget_after(5) == [9, 12, 100]
     assert Ledger(tmp_path).trained == {3: {}}
+
+
+def test_a_save_clears_what_a_dead_attempt_left_half_written(tmp_path):
+    left = tmp_path / "checkpoints" / ".staging-4-abc123"
+    (left / "model").mkdir(parents=True)
+    (left / "model" / "weights.bin").write_bytes(b"cut")
+    _complete(tmp_path, 4)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4"]
