@@ -45,7 +45,7 @@ class DataConfig(_Section):
     task: str | None = Field("addition", description="built-in task (see miles.envs); unset when `path` is given")
     path: str | None = Field(None, description="prompt dataset file (.jsonl, .parquet, .arrow)")
     prompt_key: str = "prompt"
-    label_key: str = "label"
+    label_key: str | None = Field("label", description="label column; null for data without labels (a reward that needs none)")
     shuffle: bool = True
     reward: str = Field("exact_match", description="reward name (miles.rewards) or import path 'pkg.mod:fn'")
 

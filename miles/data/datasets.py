@@ -30,7 +30,7 @@ def check_prompt_lengths(rows: list[dict[str, str]], tokenizer, max_new_tokens: 
             )
 
 
-def _read_file(path: Path, prompt_key: str, label_key: str) -> list[dict[str, str]]:
+def _read_file(path: Path, prompt_key: str, label_key: str | None) -> list[dict[str, str]]:
     if not path.is_file():
         raise ValueError(f"data.path: {path} does not exist or is not a file")
     suffix = path.suffix.lower()
@@ -62,6 +62,8 @@ def _read_file(path: Path, prompt_key: str, label_key: str) -> list[dict[str, st
         prompt = record[prompt_key]
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{path}: row {index}: {prompt_key!r} must be a non-empty string")
-        label = record.get(label_key)
+        label = None if label_key is None else record.get(label_key)
+        if label_key is not None and label is None:
+            raise ValueError(f"{path}: row {index} has no {label_key!r} value (data.label_key; set it to null for data without labels)")
         rows.append({"prompt": prompt, "label": "" if label is None else str(label)})
     return rows

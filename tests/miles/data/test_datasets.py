@@ -18,12 +18,12 @@ from miles.envs import task_rows
 RECORDS = [
     {"question": "1+1=", "answer": 2, "extra": "x"},
     {"question": "what is 3+4?", "answer": "7", "extra": "y"},
-    {"question": "no label", "answer": None, "extra": "z"},
+    {"question": "zero", "answer": 0, "extra": "z"},
 ]
 EXPECTED = [
     {"prompt": "1+1=", "label": "2"},
     {"prompt": "what is 3+4?", "label": "7"},
-    {"prompt": "no label", "label": ""},
+    {"prompt": "zero", "label": "0"},
 ]
 
 
@@ -61,9 +61,17 @@ def test_jsonl_skips_blank_lines(tmp_path):
     assert load_rows(_config(path)) == EXPECTED[:2]
 
 
-def test_missing_label_column_gives_empty_label(tmp_path):
+@pytest.mark.parametrize("records", [[{"question": "q1", "answer": 1}, {"question": "q2"}],
+                                     [{"question": "q1", "answer": 1}, {"question": "q2", "answer": None}]])
+def test_missing_label_names_file_row_and_field(tmp_path, records):
+    path = _write_jsonl(tmp_path / "p.jsonl", records)
+    with pytest.raises(ValueError, match=rf"{path}: row 2 has no 'answer' value \(data.label_key"):
+        load_rows(_config(path))
+
+
+def test_data_without_labels_when_label_key_is_null(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"question": "q1"}, {"question": "q2", "answer": 5}])
-    assert load_rows(_config(path)) == [{"prompt": "q1", "label": ""}, {"prompt": "q2", "label": "5"}]
+    assert load_rows(_config(path, label_key=None)) == [{"prompt": "q1", "label": ""}, {"prompt": "q2", "label": ""}]
 
 
 def test_parquet(tmp_path):
@@ -190,7 +198,7 @@ def test_prompts_that_fit_the_context_pass_even_when_one_fills_it_exactly(tokeni
 
 def test_a_prompt_too_long_for_the_context_names_file_and_row(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"question": "1+1="}, {"question": "1+1=" * 50}, {"question": "2+2=" * 60}])
-    rows = load_rows(_config(path))
+    rows = load_rows(_config(path, label_key=None))
     lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"]]
     context = lengths[0] + 100
     assert lengths[1] + 8 > context  # so rows 2 and 3 are both too long, and the first of them is named
