@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from miles.checkpoint import Ledger
-from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff, small_overrides
+from miles.loop import run_sync
+from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff, small_config_for, small_overrides
 from tests.e2e.test_cli import PROJECT
 
 
@@ -34,11 +35,17 @@ def _descendants(root: int) -> dict[int, str]:
     return found
 
 
-def _wait_for(condition, what: str, timeout_s: float = 240.0, every_s: float = 0.005) -> None:
+def _wait_for(condition, what: str, timeout_s: float = 240.0, every_s: float = 0.005):
+    """The first truthy value of `condition()`."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not (value := condition()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(every_s)
+    return value
+
+
+def _trainer_pid(root: int) -> int | None:
+    return next((pid for pid, command in _descendants(root).items() if command.startswith("ray::TrainActor")), None)
 
 
 def _metrics_ids(run_dir: Path) -> list[int]:
@@ -46,21 +53,26 @@ def _metrics_ids(run_dir: Path) -> list[int]:
     return [json.loads(line)["rollout_id"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_killed_flow_process_resumes_at_the_right_rollout(tmp_path, tiny_model_dir, uninterrupted_weights):
+# Rollouts big enough that training one takes a good fraction of a second: the window in which the test freezes
+# the trainer, between rollout 2's metrics line and the end of rollout 3's training.
+BIGGER = ["rollout.rollout_batch_size=32", "rollout.n_samples_per_prompt=8", "train.global_batch_size=128",
+          "train.micro_batch_size=32", "train.num_passes=2"]
+
+
+def test_killed_flow_process_resumes_at_the_right_rollout(ray_session, tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "flows.cli", "run", "sync", "--run-dir", str(run_dir),
             "--num-rollout", str(RECOVERY_RUN["num_rollout"]), "--set", f"save_interval={RECOVERY_RUN['save_interval']}",
-            *[part for override in small_overrides(tiny_model_dir) for part in ("--set", override)]]
+            *[part for override in small_overrides(tiny_model_dir) + BIGGER for part in ("--set", override)]]
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
     env["PYTHONPATH"] = str(PROJECT)
     first = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     try:
+        trainer = _wait_for(lambda: _trainer_pid(first.pid), "the trainer actor", every_s=0.2)
         # Once rollout 2 is finished, freeze the trainer: rollout 3 gets generated and stored, its training cannot end.
         _wait_for(lambda: 2 in _metrics_ids(run_dir), "rollout 2 to finish")
-        trainers = [pid for pid, command in _descendants(first.pid).items() if command.startswith("ray::TrainActor")]
-        assert len(trainers) == 1, _descendants(first.pid)
-        os.kill(trainers[0], signal.SIGSTOP)
+        os.kill(trainer, signal.SIGSTOP)
         rollout_3 = run_dir / "rollouts" / "rollout_3.arrow"
         _wait_for(rollout_3.exists, "rollout 3 to be stored")
         time.sleep(0.5)
@@ -87,4 +99,6 @@ def test_killed_flow_process_resumes_at_the_right_rollout(tmp_path, tiny_model_d
     starts = json.loads((run_dir / "run.json").read_text())["starts"]
     assert [(s["rollout_id"], s["replayed"]) for s in starts] == [(0, []), (3, [2])]
     assert not (run_dir / "run.lock").exists()
-    assert max_abs_diff(final_weights(run_dir, 4), uninterrupted_weights) == 0.0
+    reference = small_config_for(tiny_model_dir, tmp_path / "uninterrupted", *BIGGER, **RECOVERY_RUN)
+    run_sync(reference)
+    assert max_abs_diff(final_weights(run_dir, 4), final_weights(reference.run_dir, 4)) == 0.0
