@@ -178,6 +178,11 @@ class RunConfig(_Section):
         return self
 
     @property
+    def ray_actors(self) -> int:
+        """The Ray actors a run starts: its engines and one trainer."""
+        return self.rollout.num_engines + 1
+
+    @property
     def samples_per_rollout(self) -> int:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
 

@@ -144,7 +144,7 @@ class MultiLoRARun:
                     check_context(view, rows, self.tokenizer, self.initial_model)
                 except ConfigError as exc:
                     raise ConfigError(f"adapters.{index} ({name}): {exc}") from None
-            ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
+            ensure_ray(config.ray_address, actors=config.ray_actors)
             self.adapters: dict[str, AdapterRun] = {}
             self.trainer = RestartableActor("LoRA trainer", self._start_trainer)
             self.controller = InferenceController(

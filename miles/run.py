@@ -277,7 +277,7 @@ class RLRun(PolicyRun):
                 "rollout_id": self.start_rollout_id, "checkpoint": str(checkpoint) if checkpoint else None,
                 "replayed": self.replayed_at_start,
             })
-            ensure_ray(config.ray_address, actors=config.rollout.num_engines + 1)
+            ensure_ray(config.ray_address, actors=config.ray_actors)
             saved_version = self.resume_state["weight_version"] if self.resume_state else 0
             engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
             self.controller = InferenceController(
