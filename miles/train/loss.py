@@ -5,17 +5,32 @@ from __future__ import annotations
 import torch
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def next_token_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-softmax of the distribution that produced the token at each position t >= 1 ([B, T-1, V], float32).
+
+    The division is skipped at temperature 1: it would copy the whole logits tensor (and its gradient) for nothing.
+    """
+    scaled = logits[:, :-1].float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def picked_logprobs(log_softmax: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Log-prob of tokens[:, t] given the prefix, at position t ([B, T]; position 0 has none and is 0)."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    picked = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    picked = log_softmax.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the next-token distribution that produced the token at position t ([B, T])."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    return picked_logprobs(next_token_log_softmax(logits, temperature), tokens)
+
+
+def masked_entropy(log_softmax: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over the positions where `mask` ([B, T]) is set of the entropy of the distribution that produced that
+    token; only those positions pay the vocabulary-wide work."""
+    chosen = log_softmax[mask[:, 1:].bool()]
+    return -(chosen.exp() * chosen).sum()
 
 
 def ppo_clip_loss(

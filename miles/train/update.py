@@ -11,7 +11,7 @@ import torch
 
 from miles.config import RunConfig
 from miles.train.batch import TrainBatch, batch_from_table
-from miles.train.loss import k3_kl, ppo_clip_loss, tis_weights, token_entropy, token_logprobs
+from miles.train.loss import k3_kl, masked_entropy, next_token_log_softmax, picked_logprobs, ppo_clip_loss, tis_weights, token_logprobs
 
 ReferenceLogprobs = Callable[[TrainBatch], torch.Tensor]
 
@@ -46,10 +46,13 @@ def train_on_rollout(
     rollout_lp = batch.rollout_logprobs.to(device)
     gbs, mbs = config.train.global_batch_size, config.train.micro_batch_size
     # The policy before this rollout's first step: the first global batch's forward passes run before that
-    # step, so they give its rows for free; the other rows need a forward now, before any step.
+    # step, so they give its rows for free. The other rows need a forward now, before any step, when the loss uses
+    # them (as the old policy, or for TIS); otherwise the trainer-vs-rollout metrics cover the first batch only.
     trainer_lp = torch.zeros_like(rollout_lp)
-    if len(batch) > gbs:
+    needs_old_policy = not algo.use_rollout_logprobs or algo.use_tis
+    if len(batch) > gbs and needs_old_policy:
         trainer_lp[gbs:] = batch_logprobs(model, batch.rows(slice(gbs, None)), config, device)
+    measured = slice(None) if needs_old_policy else slice(0, gbs)
     ref_lp = reference(batch) if reference is not None else None
     eps_high = algo.eps_clip_high if algo.eps_clip_high is not None else algo.eps_clip
 
@@ -65,7 +68,8 @@ def train_on_rollout(
                 tokens = mb.tokens.to(device)
                 mask = mask_all[rows].float()
                 logits = model(input_ids=tokens, attention_mask=mb.attention_mask.to(device)).logits
-                logp = token_logprobs(logits, tokens, config.rollout.temperature)
+                log_softmax = next_token_log_softmax(logits, config.rollout.temperature)
+                logp = picked_logprobs(log_softmax, tokens)
                 if epoch == 0 and start == 0:
                     trainer_lp[rows] = logp.detach()
                 old_lp = rollout_lp[rows] if algo.use_rollout_logprobs else trainer_lp[rows]
@@ -78,9 +82,12 @@ def train_on_rollout(
                     kl = k3_kl(logp, ref_lp[rows], mask)
                     loss = loss + algo.kl_loss_coef * kl
                     sums["kl_ref"] += kl.item()
-                entropy = (token_entropy(logits, config.rollout.temperature) * mask).sum()
                 if algo.entropy_coef:
+                    entropy = masked_entropy(log_softmax, mask)
                     loss = loss - algo.entropy_coef * entropy
+                else:  # a metric only: no graph
+                    with torch.no_grad():
+                        entropy = masked_entropy(log_softmax.detach(), mask)
                 (loss / step_tokens).backward()
                 sums["loss"] += loss.item()
                 sums["pg_loss"] += pg.item()
@@ -93,7 +100,7 @@ def train_on_rollout(
 
     tokens = max(sums["tokens"], 1.0)
     mask_f = mask_all.float()
-    mask_count = mask_f.sum().clamp(min=1)
+    mask_count = mask_f[measured].sum().clamp(min=1)
     metrics = {
         "loss": sums["loss"] / tokens,
         "pg_loss": sums["pg_loss"] / tokens,
@@ -102,9 +109,9 @@ def train_on_rollout(
         "clip_fraction": sums["clipped"] / tokens,
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "optimizer_steps": len(grad_norms),
-        "train_rollout_logprob_abs_diff": float(((trainer_lp - rollout_lp).abs() * mask_f).sum() / mask_count),
+        "train_rollout_logprob_abs_diff": float(((trainer_lp - rollout_lp).abs() * mask_f)[measured].sum() / mask_count),
         # k1 estimate of KL(rollout policy || trainer policy) on the sampled tokens.
-        "train_rollout_kl": float(((rollout_lp - trainer_lp) * mask_f).sum() / mask_count),
+        "train_rollout_kl": float(((rollout_lp - trainer_lp) * mask_f)[measured].sum() / mask_count),
         "train_seconds": time.perf_counter() - started,
     }
     if ref_lp is not None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from miles.train.loss import k3_kl, ppo_clip_loss, token_entropy, token_logprobs
+from miles.train.loss import k3_kl, masked_entropy, next_token_log_softmax, ppo_clip_loss, token_logprobs
 
 EPS, EPS_HIGH = 0.2, 0.3  # clip range [0.8, 1.3]
 
@@ -147,13 +147,14 @@ def test_token_logprobs_and_entropy(temperature):
     ref_lp, ref_ent = _reference_logprobs_entropy(logits, tokens, temperature)
 
     lp = token_logprobs(logits, tokens, temperature)
-    ent = token_entropy(logits, temperature)
-    assert lp.shape == (B, T) and ent.shape == (B, T)
-    assert torch.all(lp[:, 0] == 0) and torch.all(ent[:, 0] == 0)
+    assert lp.shape == (B, T) and torch.all(lp[:, 0] == 0)
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
     assert torch.all(lp[:, 1:] < 0)
-    assert torch.all(ent[:, 1:] > 0) and torch.all(ent <= math.log(V) + 1e-5)
+    assert torch.all(ref_ent[:, 1:] > 0) and torch.all(ref_ent <= math.log(V) + 1e-5)
+
+    mask = torch.tensor([[0, 1, 1, 0, 1], [0, 0, 1, 1, 1]])
+    entropy = masked_entropy(next_token_log_softmax(logits, temperature), mask)
+    torch.testing.assert_close(entropy, (ref_ent * mask).sum(), rtol=1e-5, atol=1e-5)
 
 
 def test_token_logprobs_upcasts_half_precision():
