@@ -15,9 +15,8 @@ to within about 0.01; small batches vary more).
 
 The default model is a randomly initialised Llama (see --hidden/--layers/--heads) with a real LLM's vocabulary
 size (32000, `--vocab`); `--embedded` uses the embedded tiny model instead (built once and cached), whose
-vocabulary is 16 tokens. The
-embedded model's context is 32 positions: longer runs go past it (RoPE has no hard limit, so the cost per
-token is what it would be; Hugging Face prints a reminder).
+vocabulary is 16 tokens and whose context is 32 positions: longer runs go past it (RoPE has no hard limit, so
+the cost per token is what it would be; Hugging Face prints a reminder).
 
 Last line: `engine_speedup <engine tokens/s / Hugging Face tokens/s>` (goal: >= 2).
 """
