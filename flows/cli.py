@@ -40,21 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from flows.runtime import configure_prefect, start_prefect_api
+    from flows.runtime import configure_prefect
 
     configure_prefect()
-    api = start_prefect_api()
-    # While the API starts: Ray, and the flow's imports.
-    from miles.cluster import ensure_ray
-
-    ensure_ray(config.ray_address, actors=config.ray_actors)
     if args.flow == "async":
         from flows.async_rl import async_rl as rl_flow
     elif args.flow == "multi-lora":
         from flows.multi_lora import multi_lora as rl_flow
     else:
         from flows.sync_rl import sync_rl as rl_flow
-    api.join()
 
     state = rl_flow(config, return_state=True)
     if not state.is_completed():

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -19,21 +18,6 @@ def configure_prefect(project_dir: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "miles")
     # The terminal gets warnings and our progress lines; the API (and so the UI) still gets every INFO log.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-
-
-def start_prefect_api() -> threading.Thread:
-    """Get the Prefect API answering in a background thread (an ephemeral API takes seconds to start), so that other
-    start-up work (Ray) overlaps it; join the thread before the first flow run."""
-
-    def answer() -> None:
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            client.api_healthcheck()
-
-    thread = threading.Thread(target=answer, name="prefect-api-start", daemon=True)
-    thread.start()
-    return thread
 
 
 def wait_for_task_history(expected: int, timeout_s: float = 60.0) -> int:
