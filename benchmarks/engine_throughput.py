@@ -30,23 +30,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from miles.config import ModelConfig
 from miles.engines import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models import ensure_embedded_model
-
-
-def _build_random(workdir: Path, hidden: int, layers: int, heads: int, vocab: int, context: int) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=heads, intermediate_size=hidden * 8 // 3, max_position_embeddings=context,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model_dir = workdir / "model"
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    return model_dir
+from random_llama import random_llama
 
 
 def _run_engine(engine: TorchEngine, requests: list[GenerateRequest]) -> tuple[float, torch.Tensor, torch.Tensor]:
@@ -88,9 +79,8 @@ def main() -> None:
         if args.embedded:
             model_dir = ensure_embedded_model(ModelConfig(), ["addition"], seed=0)
         else:
-            vocab = args.vocab
-            model_dir = _build_random(Path(workdir), args.hidden, args.layers, args.heads, vocab,
-                                      max(256, args.prompt_tokens + args.new_tokens))
+            model_dir = Path(workdir) / "model"
+            random_llama(model_dir, args.hidden, args.layers, args.vocab, max(256, args.prompt_tokens + args.new_tokens), args.heads)
         engine = TorchEngine(str(model_dir), num_threads=args.threads)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None  # no eos stopping: every row runs max_new_tokens

@@ -68,18 +68,13 @@ def _build(workdir: Path, hidden: int, layers: int, vocab: int, rank: int, count
     import torch
     from peft import get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from miles.config import AdapterConfig
     from miles.train.lora import config_dict, lora_config
+    from random_llama import random_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=hidden // 64, intermediate_size=hidden * 8 // 3, max_position_embeddings=256,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(config)
     model_dir, adapters_dir = workdir / "base", workdir / "adapters"
-    model.save_pretrained(model_dir)
+    model = random_llama(model_dir, hidden, layers, vocab, positions=256)
     lora = lora_config(AdapterConfig(name="bench", rank=rank, alpha=2 * rank))
     peft_model = get_peft_model(model, lora, adapter_name="bench")
     adapters_dir.mkdir()

@@ -38,25 +38,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from miles.config import ModelConfig, RunConfig, load_config
-from miles.models.tiny import build_tokenizer, ensure_embedded_model
+from miles.models.tiny import ensure_embedded_model
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.train.actor import TrainActor
 from miles.train.batch import TrainBatch, batch_from_table
-
-
-def _random_llama(directory: Path, hidden: int, layers: int, vocab: int, positions: int) -> Path:
-    torch.manual_seed(0)
-    heads = max(1, hidden // 64)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=heads, intermediate_size=hidden * 8 // 3, max_position_embeddings=positions,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    build_tokenizer().save_pretrained(directory)  # TrainActor loads a tokenizer beside the weights
-    return directory
+from random_llama import random_llama
 
 
 def _load(model_dir: Path):
@@ -189,7 +179,8 @@ def main() -> None:
             model_dir = ensure_embedded_model(ModelConfig(), ["addition"], seed=0)
         else:
             positions = max(256, args.prompt_tokens + args.response_tokens)
-            model_dir = _random_llama(Path(workdir) / "model", args.hidden, args.layers, args.vocab, positions)
+            model_dir = Path(workdir) / "model"
+            random_llama(model_dir, args.hidden, args.layers, args.vocab, positions)
         algo = ["algo.use_rollout_logprobs=false", "algo.use_tis=true"] if recompute else \
                ["algo.use_rollout_logprobs=true", "algo.use_tis=false"]
         config = load_config(None, [
