@@ -65,7 +65,7 @@ class RestartableActor:
             return ray.get(getattr(handle, method).remote(*args))
         except ray.exceptions.RayActorError as exc:
             self._mark_lost(handle)
-            raise ActorLost(f"the {self.name} died during {method} ({_first_line(exc)}); it restarts on the next call") from exc
+            raise self._lost_error(method, exc) from exc
 
     def hand_over(self, method: str, *args: Any, to: Callable[[ray.ObjectRef], Any]) -> Any:
         """`to(ref)` with `ref` the pending result of `method`, for another actor to consume without a copy here. If
@@ -78,8 +78,11 @@ class RestartableActor:
                 ray.get(handle.__ray_ready__.remote(), timeout=HEALTH_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self._mark_lost(handle)
-                raise ActorLost(f"the {self.name} died during {method} ({_first_line(exc)}); it restarts on the next call") from exc
+                raise self._lost_error(method, exc) from exc
             raise
+
+    def _lost_error(self, method: str, exc: BaseException) -> ActorLost:
+        return ActorLost(f"the {self.name} died during {method} ({first_line(exc)}); it restarts on the next call")
 
     def _live(self) -> ray.actor.ActorHandle:
         with self._lock:
@@ -99,5 +102,5 @@ class RestartableActor:
         ray.kill(self.handle)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -96,6 +96,11 @@ def check_off_policy_correction(config: RunConfig) -> None:
         raise ConfigError("the async flow trains off-policy: set algo.use_tis=true or algo.use_rollout_logprobs=true")
 
 
+def _saved_rollout_id(checkpoint: Path | None) -> int:
+    """The last rollout a checkpoint holds; -1 without one."""
+    return read_state(checkpoint)["rollout_id"] if checkpoint else -1
+
+
 class PolicyRun:
     """One policy's directory (the full model, or one adapter): resume state, rollouts, metrics and progress.
 
@@ -114,7 +119,7 @@ class PolicyRun:
         self.resume_state = read_state(checkpoint) if checkpoint else None
         self.store = RolloutStore(self.run_dir)
         self.replayed_at_start = self._trained_since(checkpoint)
-        self.start_rollout_id = (self.resume_state["rollout_id"] + 1 if self.resume_state else 0) + len(self.replayed_at_start)
+        self.start_rollout_id = _saved_rollout_id(checkpoint) + 1 + len(self.replayed_at_start)
         # Rollouts trained so far; the trainer is at version rollout_id + 1 after training rollout_id.
         self.trainer_version = self.start_rollout_id
         self._recorded_ids = self._truncate_metrics()
@@ -126,7 +131,7 @@ class PolicyRun:
     def _trained_since(self, checkpoint: Path | None) -> list[int]:
         """The rollouts trained after `checkpoint` (the ledger lists them), in order, up to the first whose stored file
         is gone; the run trains the ones after a missing file anew."""
-        last_saved = read_state(checkpoint)["rollout_id"] if checkpoint else -1
+        last_saved = _saved_rollout_id(checkpoint)
         trained = sorted(k for k in Ledger(self.run_dir).trained if k > last_saved)
         replay = []
         for rollout_id in trained:
@@ -141,7 +146,7 @@ class PolicyRun:
         """`_trained_since(checkpoint)`, taken out of the ledger: the trainer records each again as it re-trains it.
         Call it before the trainer reads the ledger."""
         replay = self._trained_since(checkpoint)
-        Ledger(self.run_dir).forget_after(read_state(checkpoint)["rollout_id"] if checkpoint else -1)
+        Ledger(self.run_dir).forget_after(_saved_rollout_id(checkpoint))
         return replay
 
     def _replay(self, train_on: Callable[[int, pa.Table], dict[str, float]], rollout_ids: list[int]) -> None:

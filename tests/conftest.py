@@ -28,6 +28,13 @@ def tiny_model_dir(model_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     import ray
 

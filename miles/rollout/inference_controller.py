@@ -17,13 +17,11 @@ from dataclasses import dataclass, field
 
 import ray
 
-from miles.cluster import actor_options
+from miles.cluster import HEALTH_TIMEOUT_S, actor_options, first_line
 from miles.engines.base import GenerateRequest, GenerateResult
 from miles.engines.torch_engine import TorchEngine
 
 log = logging.getLogger(__name__)
-
-HEALTH_TIMEOUT_S = 30.0
 
 
 class EngineRestarted(RuntimeError):
@@ -110,7 +108,7 @@ class InferenceController:
             try:
                 return ray.get(list(refs.values()))
             except ray.exceptions.RayActorError as exc:
-                cause, reason = exc, str(exc).strip().splitlines()[0]
+                cause, reason = exc, first_line(exc)
         restarted = self._restart_engines(hung)
         if not restarted:  # every engine passes its health check: the failure was not theirs (e.g. an argument's)
             raise cause

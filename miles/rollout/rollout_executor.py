@@ -133,7 +133,8 @@ class RolloutExecutor:
         table = self.store.read(rollout_id)
         failed = pc.equal(table.column("status").cast(pa.string()), "failed")
         failed_samples = pc.sum(failed).as_py() or 0
-        table = table.filter(pc.invert(failed))
+        if failed_samples:  # a filter copies every column: only when there is something to leave out
+            table = table.filter(pc.invert(failed))
         groups = table.column("group_index").to_numpy()
         staleness = trainer_version - table.column("weight_version").to_numpy()
         bound = self.config.rollout.max_weight_staleness

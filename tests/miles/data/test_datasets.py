@@ -9,8 +9,6 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
-from transformers import AutoTokenizer
-
 from miles.config import DataConfig
 from miles.data import check_prompt_lengths, load_rows
 from miles.envs import task_rows
@@ -183,11 +181,6 @@ def test_corrupt_parquet(tmp_path):
     with pytest.raises(ValueError, match="data.path") as info:
         load_rows(_config(path))
     assert str(path) in str(info.value)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def test_prompts_that_fit_the_context_pass_even_when_one_fills_it_exactly(tokenizer):

@@ -3,7 +3,6 @@ import dataclasses
 import pyarrow as pa
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from miles.engines import GenerateRequest, RolloutEngine, SamplingParams
 from miles.engines.torch_engine import TorchEngine
@@ -16,11 +15,6 @@ from miles.train.update import batch_logprobs
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     return TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def _requests(tokenizer, prompts, **sampling):

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from peft import get_peft_model, get_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
@@ -16,11 +16,6 @@ from miles.train.lora import config_dict, lora_config
 from tests.miles.engines.test_torch_engine import _requests, _seeded
 
 PROMPTS = ["1+2=", "45+67=", "9+99=", "3+", "10+0=", "88+8="]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

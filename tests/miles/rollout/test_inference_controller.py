@@ -12,17 +12,12 @@ import pytest
 import ray
 import torch
 from peft import get_peft_model, get_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from miles.config import AdapterConfig
 from miles.rollout.inference_controller import EngineRestarted, InferenceController
 from miles.train.lora import config_dict, lora_config
 from tests.miles.engines.test_torch_engine import _requests, _seeded
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

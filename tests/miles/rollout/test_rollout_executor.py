@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pyarrow as pa
 import pytest
-from transformers import AutoTokenizer
 
 from miles.config import load_config
 from miles.data import DataSource
@@ -115,11 +114,6 @@ def test_too_few_samples_after_failures_names_the_failed_count(tmp_path):
 
 
 LABELS = ["2", "raise", "nan", "8", "inf", "none", "text"]  # rewards_for_tests.fails_on_some_labels fails on all but digits
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
@@ -21,11 +21,6 @@ from miles.train.update import batch_logprobs
 from tests.miles.engines.test_torch_engine import _requests, _seeded, _table
 
 PROMPTS = [f"{a}+{a + 3}=" for a in range(8)] * 2
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
