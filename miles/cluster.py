@@ -31,12 +31,13 @@ def ensure_ray(address: str | None, actors: int) -> None:
         )
 
 
-def actor_options(device: str = "cpu") -> dict:
-    # One logical CPU per actor: Ray schedules, torch.set_num_threads decides the real threads. A CUDA actor asks
-    # for a sliver of a GPU, so that Ray exposes one to it and the engine and trainer can share it.
+def actor_options(device: str = "cpu", gpus: int = 1) -> dict:
+    # One logical CPU per actor: Ray schedules, torch.set_num_threads decides the real threads. A one-GPU CUDA actor
+    # asks for a sliver of a GPU, so that Ray exposes one to it and the engine and trainer can share it; a
+    # tensor-parallel server asks for its whole GPUs.
     options = {"num_cpus": 1, "max_concurrency": 1}
     if device.startswith("cuda"):
-        options["num_gpus"] = 0.01
+        options["num_gpus"] = 0.01 if gpus == 1 else gpus
     return options
 
 
@@ -103,4 +104,7 @@ class RestartableActor:
 
 
 def first_line(exc: BaseException) -> str:
+    """The first line of an error's message; for an error raised inside an actor, of the actor's error."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        exc = exc.cause
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -56,8 +56,25 @@ class DataConfig(_Section):
         return self
 
 
+class SGLangConfig(_Section):
+    """SGLang servers (`rollout.engine: sglang`), one per engine actor, driven over their HTTP API."""
+
+    server_module: str = Field("sglang.launch_server", description="module started as `python -m <module> --model-path ...`")
+    tp_size: int = Field(1, gt=0, description="tensor-parallel GPUs per server")
+    mem_fraction_static: float | None = Field(
+        None, gt=0, lt=1, description="GPU memory share for weights and KV cache; unset: SGLang's choice"
+    )
+    max_loras_per_batch: int = Field(8, gt=0, description="adapters (the base counts as one) in one batch")
+    extra_args: list[str] = Field(default_factory=list, description="further launch_server flags, e.g. ['--attention-backend', 'fa3']")
+    startup_timeout_s: float = Field(900.0, gt=0, description="a server not answering /health_generate by then fails to start")
+    health_timeout_s: float = Field(20.0, gt=0, description="a /health_generate slower than this marks the server dead")
+    weights_dir: str | None = Field(
+        None, description="where pushed weights are written for /update_weights_from_disk; unset: the system temp dir"
+    )
+
+
 class RolloutConfig(_Section):
-    engine: Literal["torch"] = "torch"
+    engine: Literal["torch", "sglang"] = Field("torch", description="torch: TorchEngine actors; sglang: SGLang servers (pip install .[gpu])")
     num_engines: int = Field(1, gt=0)
     rollout_batch_size: int = Field(64, gt=0, description="prompts per rollout")
     n_samples_per_prompt: int = Field(8, gt=0)
@@ -72,6 +89,7 @@ class RolloutConfig(_Section):
     max_weight_staleness: int | None = Field(
         None, ge=0, description="get drops groups generated more than this many weight versions behind the trainer"
     )
+    sglang: SGLangConfig = SGLangConfig()
 
 
 class AlgoConfig(_Section):

@@ -147,10 +147,7 @@ class MultiLoRARun:
             ensure_ray(config.ray_address, actors=config.ray_actors)
             self.adapters: dict[str, AdapterRun] = {}
             self.trainer = RestartableActor("LoRA trainer", self._start_trainer)
-            self.controller = InferenceController(
-                str(self.initial_model), 0, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device,
-                config.rollout.engine_timeout_s,
-            )
+            self.controller = InferenceController(str(self.initial_model), 0, config.rollout, config.adapters)
             total = sum(a.num_steps for a in config.adapters)
             self.progress = ProgressLine("multi-LoRA", total, echo_updates=False)
             for adapter in config.adapters:

@@ -285,10 +285,7 @@ class RLRun(PolicyRun):
             ensure_ray(config.ray_address, actors=config.ray_actors)
             saved_version = self.resume_state["weight_version"] if self.resume_state else 0
             engine_model = checkpoint / MODEL_DIR if checkpoint else self.initial_model
-            self.controller = InferenceController(
-                str(engine_model), saved_version, config.rollout.num_engines, config.rollout.num_threads, config.rollout.device,
-                config.rollout.engine_timeout_s,
-            )
+            self.controller = InferenceController(str(engine_model), saved_version, config.rollout)
             self._start_rollouts(self.controller, tokenizer, rows, reward_fn)
             self.trainer = RestartableActor("trainer", self._start_trainer)
             self._finish_replayed()

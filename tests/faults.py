@@ -15,6 +15,11 @@ def actor_pid(handle) -> int:
     return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
 
 
+def sglang_server_pid(handle) -> int:
+    """The pid of the server an SGLangEngine actor started (its own process group)."""
+    return ray.get(handle.__ray_call__.remote(lambda self: self._process.pid))
+
+
 def freeze_then_kill(handle, after_s: float = 1.0) -> int:
     """SIGSTOP the actor's process now and SIGKILL it `after_s` later: a call made meanwhile is in flight when it dies."""
     pid = actor_pid(handle)

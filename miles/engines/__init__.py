@@ -1,5 +1,5 @@
 """Rollout engines behind one protocol; the InferenceController speaks only that protocol."""
 
-from miles.engines.base import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 
-__all__ = ["GenerateRequest", "GenerateResult", "RolloutEngine", "SamplingParams"]
+__all__ = ["EngineUnavailable", "GenerateRequest", "GenerateResult", "RolloutEngine", "SamplingParams"]

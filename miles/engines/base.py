@@ -8,6 +8,10 @@ from typing import Protocol, runtime_checkable
 import torch
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine's server is gone, failing (5xx) or not answering; its health check fails and it gets restarted."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0

@@ -4,9 +4,10 @@ Several callers (the branches of the multi-LoRA flow) may call `generate` at onc
 batch is on the engines are merged into the next batch, so requests of different adapters share one forward
 pass. Weight and adapter pushes wait for the batch on the engines; a generation never sees weights change.
 
-An engine call that fails because an engine died, or that outlasts `timeout_s`, health-checks every engine,
-restarts the dead or hung ones with the current weights and adapters at their versions, and raises
-EngineRestarted: the caller's retry then runs on a whole engine set. No partial batch is ever returned.
+An engine call that fails because an engine died (its actor, or its server: EngineUnavailable), or that
+outlasts `timeout_s`, health-checks every engine, restarts the dead or hung ones with the current weights and
+adapters at their versions, and raises EngineRestarted: the caller's retry then runs on a whole engine set.
+No partial batch is ever returned.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 import ray
 
 from miles.cluster import HEALTH_TIMEOUT_S, actor_options, first_line
-from miles.engines.base import GenerateRequest, GenerateResult
+from miles.config import AdapterConfig, RolloutConfig
+from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult
+from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
 
 log = logging.getLogger(__name__)
@@ -37,21 +40,34 @@ class _Call:
 
 
 class InferenceController:
-    def __init__(self, model_dir: str, weight_version: int, num_engines: int, num_threads: int, device: str = "cpu",
-                 timeout_s: float = 600.0):
-        self._engine_args = dict(model_dir=model_dir, weight_version=weight_version, device=device, num_threads=num_threads)
-        self._engine_options = actor_options(device)
-        self.timeout_s = timeout_s
+    """`rollout.num_engines` engines of kind `rollout.engine`, started from `model_dir` at `weight_version`.
+    `adapters` are the LoRA adapters the engines may be asked to serve (an SGLang server sizes its LoRA pool by them)."""
+
+    def __init__(self, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: list[AdapterConfig] = ()):
+        if rollout.engine == "sglang":
+            self._engine_class = SGLangEngine
+            self._engine_args = dict(model_dir=model_dir, weight_version=weight_version, device=rollout.device,
+                                     config=rollout.sglang, timeout_s=rollout.engine_timeout_s)
+            if adapters:
+                self._engine_args.update(lora_rank=max(a.rank for a in adapters),
+                                         lora_target_modules=sorted({m for a in adapters for m in a.target_modules}))
+            self._engine_options = actor_options(rollout.device, gpus=rollout.sglang.tp_size)
+        else:
+            self._engine_class = TorchEngine
+            self._engine_args = dict(model_dir=model_dir, weight_version=weight_version, device=rollout.device,
+                                     num_threads=rollout.num_threads)
+            self._engine_options = actor_options(rollout.device)
+        self.timeout_s = rollout.engine_timeout_s
         self._weight_version = weight_version
         self._weights_ref: ray.ObjectRef | None = None  # the last full-weight push, for engines restarted after it
         self._adapters: dict[str, tuple[ray.ObjectRef, dict, int]] = {}  # name -> (tensors, PEFT config, version)
         self._pending: list[_Call] = []
         self._pending_lock = threading.Lock()
         self._engines_busy = threading.Lock()  # held while a batch, a push or a restart is on the engines
-        self.engines = [self._start_engine() for _ in range(num_engines)]
+        self.engines = [self._start_engine() for _ in range(rollout.num_engines)]
 
     def _start_engine(self) -> ray.actor.ActorHandle:
-        return ray.remote(TorchEngine).options(**self._engine_options).remote(**self._engine_args)
+        return ray.remote(self._engine_class).options(**self._engine_options).remote(**self._engine_args)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order. The caller that gets the engines first generates every pending call."""
@@ -107,7 +123,7 @@ class InferenceController:
         else:
             try:
                 return ray.get(list(refs.values()))
-            except ray.exceptions.RayActorError as exc:
+            except (ray.exceptions.RayActorError, EngineUnavailable) as exc:
                 cause, reason = exc, first_line(exc)
         restarted = self._restart_engines(hung)
         if not restarted:  # every engine passes its health check: the failure was not theirs (e.g. an argument's)
@@ -123,6 +139,8 @@ class InferenceController:
         for i, engine in enumerate(self.engines):
             if i in hung or not _healthy(engine):
                 log.warning("restarting engine %d", i)
+                if i not in hung:  # a live actor stops its server first, so the new one finds the GPU memory free
+                    _try_shutdown(engine)
                 ray.kill(engine)
                 self.engines[i] = self._start_engine()
                 restarted.append(i)
@@ -162,8 +180,16 @@ class InferenceController:
 
     def shutdown(self) -> None:
         for engine in self.engines:
+            _try_shutdown(engine)
             ray.kill(engine)
         self.engines = []
+
+
+def _try_shutdown(engine: ray.actor.ActorHandle) -> None:
+    try:
+        ray.get(engine.shutdown.remote(), timeout=HEALTH_TIMEOUT_S)
+    except (ray.exceptions.RayError, EngineUnavailable):
+        pass  # dead or hung: ray.kill ends it, and its server dies with it
 
 
 def _healthy(engine: ray.actor.ActorHandle) -> bool:

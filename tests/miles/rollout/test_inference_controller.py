@@ -8,22 +8,25 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 import ray
 import torch
 from peft import get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from miles.config import AdapterConfig
+from miles.config import AdapterConfig, RolloutConfig, load_config
 from miles.rollout.inference_controller import EngineRestarted, InferenceController
 from miles.train.lora import config_dict, lora_config
+from tests.conftest import sglang_overrides
+from tests.faults import actor_pid, sglang_server_pid
 from tests.miles.engines.test_torch_engine import _requests, _seeded
 
 
 @pytest.fixture(scope="module")
 def controller(ray_session, tiny_model_dir):
     """Two engines, so that a merged batch is also split differently across engines than each call alone."""
-    controller = InferenceController(str(tiny_model_dir), weight_version=2, num_engines=2, num_threads=1)
+    controller = InferenceController(str(tiny_model_dir), 2, RolloutConfig(num_engines=2, num_threads=1))
     yield controller
     controller.shutdown()
 
@@ -172,21 +175,21 @@ def test_a_bad_caller_is_refused_without_failing_concurrent_callers(controller, 
 # ---------------------------------------------------------------- engine death and hangs
 
 
-def _pid(engine) -> int:
-    return ray.get(engine.__ray_call__.remote(lambda self: os.getpid()))
-
-
 def _perturbed_weights(tiny_model_dir) -> dict[str, torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(11)
     return {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
 
 
-@pytest.fixture
-def recovering(ray_session, tiny_model_dir):
+@pytest.fixture(params=["torch", "sglang"])
+def recovering(request, ray_session, tiny_model_dir):
     """An engine holding pushed weights (version 5) and an adapter, so that a restart must restore both. One engine:
-    the module's two-engine controller still holds two of the session's three Ray CPUs."""
-    controller = InferenceController(str(tiny_model_dir), weight_version=0, num_engines=1, num_threads=1, timeout_s=20)
+    the module's two-engine controller still holds two of the session's three Ray CPUs. The faults hit the
+    process that generates: the TorchEngine actor, or the SGLang engine's server."""
+    overrides = sglang_overrides() if request.param == "sglang" else []
+    rollout = load_config(None, ["rollout.num_threads=1", "rollout.engine_timeout_s=20", *overrides]).rollout
+    controller = InferenceController(str(tiny_model_dir), 0, rollout, [AdapterConfig(name="a")])
+    controller.generating_pid = lambda: (sglang_server_pid if request.param == "sglang" else actor_pid)(controller.engines[0])
     controller.update_weights(ray.put(_perturbed_weights(tiny_model_dir)), 5)
     # Engines serving adapters refuse full-weight pushes, so the adapter comes after the weights.
     tensors, config = _lora(tiny_model_dir, 3)
@@ -203,7 +206,7 @@ def _mixed_requests(tokenizer):
 def _generate_while(controller, requests, fault) -> BaseException:
     """Start `controller.generate(requests)` with the engine stopped (SIGSTOP), so the batch is in flight on it,
     apply `fault` to the engine's pid, and return what the call raised."""
-    pid = _pid(controller.engines[0])
+    pid = controller.generating_pid()
     os.kill(pid, signal.SIGSTOP)
     outcome: list[BaseException] = []
 
@@ -253,3 +256,20 @@ def test_a_refused_push_is_not_an_engine_death(recovering, tiny_model_dir):
     with pytest.raises(ValueError, match="frozen"):  # the engines serve an adapter, so a full push is refused
         recovering.update_weights(ray.put(_perturbed_weights(tiny_model_dir)), 6)
     assert recovering.engines == engines
+
+
+def test_a_failing_sglang_server_is_restarted(ray_session, tiny_model_dir, tokenizer):
+    """A server that answers 5xx (its scheduler died) fails its health check and is replaced; the retry succeeds."""
+    rollout = load_config(None, ["rollout.num_threads=1", *sglang_overrides()]).rollout
+    controller = InferenceController(str(tiny_model_dir), 0, rollout)
+    try:
+        requests = _seeded(_requests(tokenizer, ["1+2=", "45+67="], max_new_tokens=6), 5)
+        expected = controller.generate(requests)
+        url = ray.get(controller.engines[0].__ray_call__.remote(lambda self: self.url))
+        httpx.post(f"{url}/test_fault", json={"status": 500}, trust_env=False).raise_for_status()
+
+        with pytest.raises(EngineRestarted, match="answered 500"):
+            controller.generate(requests)
+        _assert_same_samples(controller.generate(requests), expected)
+    finally:
+        controller.shutdown()

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from miles.config import load_config
+from miles.config import RolloutConfig, load_config
 from miles.data import DataSource
 from miles.rewards import resolve_reward
 from miles.rollout.inference_controller import InferenceController
@@ -118,7 +118,7 @@ LABELS = ["2", "raise", "nan", "8", "inf", "none", "text"]  # rewards_for_tests.
 
 @pytest.fixture(scope="module")
 def controller(ray_session, tiny_model_dir):
-    controller = InferenceController(str(tiny_model_dir), weight_version=0, num_engines=1, num_threads=1)
+    controller = InferenceController(str(tiny_model_dir), 0, RolloutConfig(num_threads=1))
     yield controller
     controller.shutdown()
 

@@ -1,0 +1,269 @@
+"""SGLangEngine: one SGLang HTTP server, started and driven from its Ray actor (the GPU path of `generate`).
+
+The server is `python -m sglang.launch_server` (SGLang 0.5.23), bound to 127.0.0.1 on a free port. Requests
+carry token ids and come back as token ids with their log-probs, so nothing is re-tokenized. Pushed weights are
+written as safetensors next to the model's config and loaded with `/update_weights_from_disk` inside a paused
+weight-update session; adapters are written as PEFT directories and loaded with `/load_lora_adapter`. Neither
+needs pickle, and both work whatever process or device the trainer runs on.
+
+A refused connection, a 5xx answer or a timeout raises EngineUnavailable, and `health()` is False once
+`/health_generate` fails: the InferenceController then restarts the engine. SGLang is never imported here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+from miles.config import SGLangConfig
+from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_LOG_TAIL_LINES = 30
+_POLL_S = 0.5
+
+
+class SGLangEngine:
+    def __init__(self, model_dir: str, weight_version: int = 0, device: str = "cuda", config: SGLangConfig = SGLangConfig(),
+                 timeout_s: float = 600.0, lora_rank: int | None = None, lora_target_modules: list[str] | None = None):
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self._weight_version = weight_version
+        self._adapter_versions: dict[str, int] = {}
+        self._work_dir = Path(tempfile.mkdtemp(prefix="miles-sglang-", dir=config.weights_dir))
+        self._log_path = self._work_dir / "server.log"
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
+        command = [
+            sys.executable, "-m", config.server_module, "--model-path", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--device", device.split(":")[0], "--tp-size", str(config.tp_size),
+            "--weight-version", str(weight_version),
+        ]
+        if config.mem_fraction_static is not None:
+            command += ["--mem-fraction-static", str(config.mem_fraction_static)]
+        if lora_rank is not None:
+            command += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras-per-batch", str(config.max_loras_per_batch),
+                        "--lora-target-modules", *(lora_target_modules or [])]
+        command += config.extra_args
+        with open(self._log_path, "ab") as server_log:
+            # Its own process group, so shutdown stops the server's workers too; and it dies with this actor, so a
+            # killed actor never leaves a server holding the GPU and the port.
+            self._process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             start_new_session=True, preexec_fn=_die_with_parent)
+        self._wait_until_ready(config.startup_timeout_s)
+
+    def _wait_until_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"sglang server exited with code {self._process.returncode} while starting; "
+                                   f"its log ({self._log_path}) ends:\n{self._log_tail()}")
+            if self.health():
+                return
+            time.sleep(_POLL_S)
+        self.shutdown()
+        raise RuntimeError(f"sglang server at {self.url} did not answer /health_generate within {timeout_s:g} s; "
+                           f"its log ends:\n{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self._log_path, errors="replace") as server_log:
+                return "".join(deque(server_log, maxlen=_LOG_TAIL_LINES))
+        except OSError:
+            return "(no log)"
+
+    def _post(self, path: str, body: dict | None = None) -> httpx.Response:
+        """POST to the server. Its death (refused connection, 5xx, timeout) raises EngineUnavailable; a 4xx, which
+        is a request the server refused, raises ValueError with the server's message."""
+        try:
+            response = self._http.post(path, json=body if body is not None else {})
+        except httpx.TimeoutException as exc:
+            raise EngineUnavailable(f"sglang server at {self.url}: no answer to {path} within the timeout ({exc!r})") from None
+        except httpx.TransportError as exc:
+            exited = self._process.poll()
+            state = f"exited with code {exited}" if exited is not None else "running"
+            raise EngineUnavailable(f"sglang server at {self.url} ({state}): {path} failed: {exc!r}") from None
+        if response.status_code >= 500:
+            raise EngineUnavailable(f"sglang server at {self.url}: {path} answered {response.status_code}: {response.text[:500]}")
+        if response.status_code >= 400:
+            raise ValueError(f"sglang server at {self.url} refused {path} ({response.status_code}): {response.text[:500]}")
+        return response
+
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def adapter_versions(self) -> dict[str, int]:
+        return dict(self._adapter_versions)
+
+    def health(self) -> bool:
+        if self._process.poll() is not None:
+            return False
+        try:
+            return self._http.get("/health_generate", timeout=self.config.health_timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        if not requests:
+            return []
+        unknown = sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in self._adapter_versions})
+        if unknown:
+            raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(self._adapter_versions)}")
+        body = {
+            "input_ids": [r.prompt_ids for r in requests],
+            "sampling_params": [_sampling_params(r) for r in requests],
+            "return_logprob": True,
+        }
+        if any(r.adapter for r in requests):  # a server without --enable-lora refuses any lora_path, even [null, ...]
+            body["lora_path"] = [r.adapter for r in requests]
+        outputs = self._post("/generate", body).json()
+        if len(outputs) != len(requests):
+            raise EngineUnavailable(f"sglang server at {self.url} answered {len(outputs)} outputs for {len(requests)} requests")
+        results = [self._result(request, output["meta_info"]) for request, output in zip(requests, outputs)]
+        aborted = [i for i, r in enumerate(results) if r.finish_reason == "abort"]
+        if aborted:  # nothing here pauses a generation, so an abort is the server's failure; a retry regenerates
+            message = outputs[aborted[0]]["meta_info"]["finish_reason"].get("message", "")
+            raise RuntimeError(f"sglang server at {self.url} aborted {len(aborted)} of {len(requests)} requests: {message}")
+        return results
+
+    def _result(self, request: GenerateRequest, meta: dict) -> GenerateResult:
+        pairs = meta["output_token_logprobs"]  # [(logprob, token_id, text or None), ...]
+        version = self._adapter_versions[request.adapter] if request.adapter else int(meta["weight_version"])
+        return GenerateResult(output_ids=[int(p[1]) for p in pairs], logprobs=[float(p[0]) for p in pairs],
+                              finish_reason=meta["finish_reason"]["type"], weight_version=version)
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        if self._adapter_versions:
+            raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
+        previous = self._work_dir / f"weights-{self._weight_version}"
+        directory = self._work_dir / f"weights-{version}"
+        _write_model(self.model_dir, named_tensors, directory)
+        # SGLang's refit order; generation resumes whatever happens, and a failed session is closed.
+        self._post("/pause_generation", {"mode": "abort"})
+        try:
+            self._flush_cache()
+            self._post("/begin_weight_update", {})
+            try:
+                answer = self._post("/update_weights_from_disk", {
+                    "model_path": str(directory), "weight_version": str(version), "flush_cache": False,
+                    "abort_all_requests": False,
+                }).json()
+            finally:
+                self._post("/end_weight_update", {})
+        finally:
+            self._post("/continue_generation", {})
+        if not answer.get("success", False):
+            raise RuntimeError(f"sglang server at {self.url} failed to load weights version {version}: {answer.get('message')}")
+        self._weight_version = version
+        shutil.rmtree(previous, ignore_errors=True)
+
+    def _flush_cache(self) -> None:
+        """Requests aborted by the pause may still be leaving; the server answers 400 until they are gone."""
+        deadline = time.monotonic() + self.config.health_timeout_s
+        while True:
+            try:
+                self._post("/flush_cache")
+                return
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(_POLL_S)
+
+    def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
+        """Load (or replace) LoRA adapter `name`: SGLang refuses a name loaded twice, so a new version unloads first."""
+        previous = self._work_dir / "adapters" / f"{name}-{self._adapter_versions.get(name)}"
+        directory = self._work_dir / "adapters" / f"{name}-{version}"
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(_unshared(named_tensors), directory / "adapter_model.safetensors")
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+        if name in self._adapter_versions:
+            self._post("/unload_lora_adapter", {"lora_name": name})
+            del self._adapter_versions[name]
+        self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(directory), "pinned": False})
+        self._adapter_versions[name] = version
+        if previous != directory:
+            shutil.rmtree(previous, ignore_errors=True)
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self._adapter_versions:
+            return
+        self._post("/unload_lora_adapter", {"lora_name": name})
+        version = self._adapter_versions.pop(name)
+        shutil.rmtree(self._work_dir / "adapters" / f"{name}-{version}", ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """Stop the server and its workers: SIGTERM, then SIGKILL after 30 s."""
+        if self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGTERM)
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._process.pid, signal.SIGKILL)
+                self._process.wait()
+        self._http.close()
+        shutil.rmtree(self._work_dir, ignore_errors=True)
+
+
+def _sampling_params(request: GenerateRequest) -> dict:
+    sampling = request.sampling
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": -1,
+        "max_new_tokens": sampling.max_new_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "no_stop_trim": True,  # the stop token stays in the response: the trainer trains on it
+        "skip_special_tokens": False,
+        "sampling_seed": request.seed,
+    }
+
+
+def _write_model(model_dir: Path, named_tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """A model directory SGLang loads: the model's config and tokenizer files, and the weights as safetensors."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".pt")) and path.name != "model.safetensors.index.json":
+            shutil.copy2(path, directory / path.name)
+    save_file(_unshared(named_tensors), directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def _unshared(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied embeddings): each gets its own contiguous copy if needed."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in named_tensors.items():
+        tensor = tensor.detach().contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if pointer in seen else tensor
+        seen.add(pointer)
+    return tensors
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the server process before exec: SIGKILL it when the process that started it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

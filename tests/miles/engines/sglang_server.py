@@ -1,0 +1,288 @@
+"""A stand-in for an SGLang 0.5.23 HTTP server, for tests on machines where SGLang cannot run (it needs a GPU).
+
+`python -m tests.miles.engines.sglang_server --model-path DIR --host 127.0.0.1 --port P ...` takes the launch
+flags of `python -m sglang.launch_server` that miles-flow passes, and answers the endpoints SGLangEngine calls
+with SGLang's request fields, response JSON and status codes:
+- `/generate`: `input_ids` (one list or a batch), `sampling_params` (a dict or one per request), `return_logprob`,
+  `lora_path`; each output is `{text, output_ids, meta_info}` with `meta_info.output_token_logprobs` as
+  `[logprob, token_id, text-or-null]` triples, `finish_reason` `{type: stop, matched}` or `{type: length, length}`,
+  and the string `weight_version`. Without `no_stop_trim`, `output_ids` drop a matched stop token.
+- The refit: `/pause_generation` (requests wait until `/continue_generation`), `/flush_cache` (400 while a
+  request runs), `/begin_weight_update` and `/end_weight_update` (a session opened twice, or closed when none is
+  open, is refused), `/update_weights_from_disk` (safetensors files of the model's parameter names).
+- LoRA (with `--enable-lora`): `/load_lora_adapter` (a name loaded twice is refused), `/unload_lora_adapter`.
+- `/health`, `/health_generate` (a one-token generation), `/model_info`.
+It generates with a TorchEngine, so tokens and log-probs are real. `/test_fault` is its own, not SGLang's: it
+makes every later request answer an HTTP error, as a server whose scheduler crashed does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from miles.engines import GenerateRequest, SamplingParams
+from miles.engines.torch_engine import TorchEngine
+
+SGLANG_DEFAULT_SEED = 42  # the sampling_seed SGLang uses when a request sets none
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _lora_answer(success: bool, error_message: str, loaded: dict | None) -> JSONResponse:
+    body = {"rid": None, "http_worker_ipc": None, "success": success, "error_message": error_message,
+            "loaded_adapters": dict(loaded) if loaded is not None else None}
+    return JSONResponse(body, status_code=200 if success else 400)
+
+
+class StandInServer:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.engine = TorchEngine(args.model_path, device="cpu", num_threads=1)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        self.weight_version = args.weight_version
+        self.lora_paths: dict[str, str] = {}
+        self.in_weight_update = False
+        self.fault_status: int | None = None
+        self.running = 0
+        self._paused = False
+        self._state = threading.Condition()
+        self._engine_lock = threading.Lock()
+
+    def _run(self, requests: list[GenerateRequest]):
+        with self._state:
+            while self._paused:
+                self._state.wait()
+            self.running += 1
+        try:
+            with self._engine_lock:
+                return self.engine.generate(requests)
+        finally:
+            with self._state:
+                self.running -= 1
+
+    def generate(self, body: dict) -> JSONResponse:
+        ids = body.get("input_ids")
+        if ids is None:
+            return _error(400, "Either text or input_ids should be provided.")
+        single = bool(ids) and isinstance(ids[0], int)
+        batch = [ids] if single else ids
+        params = body.get("sampling_params") or {}
+        params = params if isinstance(params, list) else [params] * len(batch)
+        adapters = body.get("lora_path")
+        adapters = adapters if isinstance(adapters, list) else [adapters] * len(batch)
+        if not (len(params) == len(adapters) == len(batch)):
+            return _error(400, "The length of sampling_params and lora_path must match the batch size.")
+        if body.get("lora_path") and not self.args.enable_lora:
+            first = next((a for a in adapters if a is not None), None)
+            return _error(400, f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server with "
+                               "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")
+        unknown = [a for a in adapters if a is not None and a not in self.lora_paths]
+        if unknown:
+            return _error(400, f"Got LoRA adapter that has never been loaded: {unknown[0]}\n"
+                               f"All loaded adapters: dict_keys({list(self.lora_paths)}).")
+        requests = []
+        for prompt, p, adapter in zip(batch, params, adapters):
+            if p.get("top_k", -1) != -1 or p.get("n", 1) != 1:
+                return _error(400, "this stand-in server supports top_k=-1 and n=1 only")
+            sampling = SamplingParams(temperature=p.get("temperature", 1.0), top_p=p.get("top_p", 1.0),
+                                      max_new_tokens=p.get("max_new_tokens", 128), stop_token_ids=tuple(p.get("stop_token_ids") or ()))
+            requests.append(GenerateRequest(prompt_ids=list(prompt), sampling=sampling, adapter=adapter,
+                                            seed=p.get("sampling_seed", SGLANG_DEFAULT_SEED)))
+        started = time.perf_counter()
+        results = self._run(requests)
+        outputs = [self._output(r, q, p, body.get("return_logprob", False), started) for r, q, p in zip(results, requests, params)]
+        return JSONResponse(outputs[0] if single else outputs)
+
+    def _output(self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float) -> dict:
+        if result.finish_reason == "stop":
+            finish = {"type": "stop", "matched": result.output_ids[-1]}
+            output_ids = result.output_ids if params.get("no_stop_trim", False) else result.output_ids[:-1]
+        else:
+            finish = {"type": "length", "length": len(result.output_ids)}
+            output_ids = result.output_ids
+        meta = {
+            "id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(request.prompt_ids),
+            "weight_version": self.weight_version, "completion_tokens": len(result.output_ids), "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - started,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, token, None] for lp, token in zip(result.logprobs, result.output_ids)]
+            meta["input_token_logprobs"] = []
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=params.get("skip_special_tokens", True))
+        return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+    def health_generate(self) -> Response:
+        if self.running:  # busy generating is alive
+            return Response(status_code=200)
+        probe = GenerateRequest(prompt_ids=[0], sampling=SamplingParams(max_new_tokens=1))
+        with self._engine_lock:
+            self.engine.generate([probe])
+        return Response(status_code=200)
+
+    def pause(self) -> None:
+        with self._state:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._state:
+            self._paused = False
+            self._state.notify_all()
+
+    def update_from_disk(self, body: dict) -> JSONResponse:
+        files = sorted(Path(body["model_path"]).glob("*.safetensors"))
+        if not files:
+            return JSONResponse({"success": False, "message": f"Failed to update weights: no safetensors in {body['model_path']}",
+                                 "num_paused_requests": 0}, status_code=400)
+        tensors = {name: t for f in files for name, t in load_file(f).items()}
+        with self._engine_lock:
+            self.engine.update_weights(tensors, 0)
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        message = "Succeeded to update model weights."
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {self.weight_version}."
+        return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    def load_lora(self, body: dict) -> JSONResponse:
+        name, path = body["lora_name"], body["lora_path"]
+        if not self.args.enable_lora:
+            return _lora_answer(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", None)
+        if name in self.lora_paths:
+            return _lora_answer(False, f"Failed to load LoRA adapter {name} because it is already loaded", self.lora_paths)
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        if config["r"] > self.args.max_lora_rank:
+            return _lora_answer(False, f"LoRA adapter {name} with rank {config['r']} is incompatible with the current LoRA "
+                                       f"memory pool configuration (max_lora_rank {self.args.max_lora_rank}).", self.lora_paths)
+        targets = set(config["target_modules"])
+        if not targets <= set(self.args.lora_target_modules or ()):
+            return _lora_answer(False, f"LoRA adapter {name} targets {sorted(targets)}, incompatible with the current LoRA "
+                                       f"memory pool configuration ({self.args.lora_target_modules}).", self.lora_paths)
+        tensors = load_file(Path(path) / "adapter_model.safetensors")
+        with self._engine_lock:
+            self.engine.load_adapter(name, tensors, config, 0)
+        self.lora_paths[name] = path
+        return _lora_answer(True, "", self.lora_paths)
+
+    def unload_lora(self, body: dict) -> JSONResponse:
+        name = body["lora_name"]
+        if name not in self.lora_paths:
+            return _lora_answer(False, f"LoRA with name {name} does not exist. Loaded LoRAs: odict_keys({list(self.lora_paths)})",
+                                self.lora_paths)
+        with self._engine_lock:
+            self.engine.unload_adapter(name)
+        del self.lora_paths[name]
+        return _lora_answer(True, "", self.lora_paths)
+
+
+def build_app(server: StandInServer) -> FastAPI:
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def injected_fault(request: Request, call_next):
+        if server.fault_status is not None and request.url.path != "/test_fault":
+            return _error(server.fault_status, "scheduler process died (injected by /test_fault)")
+        return await call_next(request)
+
+    @app.post("/test_fault")
+    def test_fault(body: dict):
+        server.fault_status = body.get("status")
+        return {"success": True}
+
+    @app.get("/health")
+    def health():
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    def health_generate():
+        return server.health_generate()
+
+    @app.get("/model_info")
+    def model_info():
+        return {"model_path": server.args.model_path, "tokenizer_path": server.args.model_path, "is_generation": True,
+                "weight_version": server.weight_version}
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    def generate(body: dict):
+        return server.generate(body)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    def flush_cache():
+        if server.running:
+            return PlainTextResponse("Flush cache failed.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                                 "waiting requests, the operation will not be performed.)\n")
+
+    @app.post("/pause_generation")
+    def pause_generation(body: dict):
+        server.pause()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    def continue_generation(body: dict):
+        server.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/begin_weight_update")
+    def begin_weight_update(body: dict):
+        if server.in_weight_update:
+            return JSONResponse({"success": False, "message": "a weight update session is already open"}, status_code=400)
+        server.in_weight_update = True
+        return {"success": True, "message": "Success"}
+
+    @app.post("/end_weight_update")
+    def end_weight_update(body: dict):
+        if not server.in_weight_update:
+            return JSONResponse({"success": False, "message": "No weight update session in progress."}, status_code=400)
+        server.in_weight_update = False
+        return {"success": True, "message": "Success"}
+
+    @app.post("/update_weights_from_disk")
+    def update_weights_from_disk(body: dict):
+        return server.update_from_disk(body)
+
+    @app.post("/load_lora_adapter")
+    def load_lora_adapter(body: dict):
+        return server.load_lora(body)
+
+    @app.post("/unload_lora_adapter")
+    def unload_lora_adapter(body: dict):
+        return server.unload_lora(body)
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--device", default="cpu", choices=["cpu"])
+    parser.add_argument("--tp-size", type=int, default=1, choices=[1])
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--mem-fraction-static", type=float)
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int)
+    parser.add_argument("--lora-target-modules", nargs="+")
+    parser.add_argument("--max-loras-per-batch", type=int, default=8)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    server = StandInServer(args)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="info", access_log=True)
+
+
+if __name__ == "__main__":
+    main()
