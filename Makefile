@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
-.PHONY: install run test ui server
+.PHONY: install install-gpu run run-gpu test ui server
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -17,6 +17,22 @@ $(VENV)/.installed: pyproject.toml
 
 run: install
 	$(VENV)/bin/miles run sync
+
+# On a CUDA machine: SGLang 0.5.23 in its own environment, since it pins torch 2.14.1 (CUDA 13) and
+# transformers 5.19.0, and the TorchEngine needs transformers 5.24 or newer.
+SGLANG_VENV ?= .venv-sglang
+install-gpu: install $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed:
+	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q "sglang==0.5.23"
+	touch $@
+
+# The sync flow with SGLang serving the rollouts and the trainer on the same GPU (SGLang takes half its memory).
+run-gpu: install-gpu
+	$(VENV)/bin/miles run sync --set rollout.engine=sglang --set rollout.sglang.python=$(CURDIR)/$(SGLANG_VENV)/bin/python \
+		--set rollout.device=cuda --set train.device=cuda --set rollout.sglang.mem_fraction_static=0.5
 
 test: install
 	$(PY) -m pytest -q

@@ -59,7 +59,10 @@ class DataConfig(_Section):
 class SGLangConfig(_Section):
     """SGLang servers (`rollout.engine: sglang`), one per engine actor, driven over their HTTP API."""
 
-    server_module: str = Field("sglang.launch_server", description="module started as `python -m <module> --model-path ...`")
+    python: str | None = Field(
+        None, description="the Python of SGLang's environment (SGLang pins its own torch and transformers); unset: this one"
+    )
+    server_module: str = Field("sglang.launch_server", description="module started as `<python> -m <module> --model-path ...`")
     tp_size: int = Field(1, gt=0, description="tensor-parallel GPUs per server")
     mem_fraction_static: float | None = Field(
         None, gt=0, lt=1, description="GPU memory share for weights and KV cache; unset: SGLang's choice"

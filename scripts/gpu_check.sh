@@ -1,17 +1,40 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the engine and trainers on CUDA (correctness and throughput), then, where Ray and
-# Prefect are installed, the sync flow for a few iterations with engine and trainer on the GPU. Under 5 minutes.
+# Prefect are installed, the sync flow for a few iterations with the TorchEngine and trainer on the GPU, and with
+# SGLang serving the rollouts where SGLANG_PYTHON (default .venv-sglang/bin/python, `make install-gpu`) has it.
+# Under 5 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 "$PY" scripts/gpu_check.py "$@"
-if "$PY" -c "import ray, prefect" 2>/dev/null; then
+if ! "$PY" -c "import ray, prefect" 2>/dev/null; then
+  echo "ray or prefect not installed: the flow runs are skipped"
+  exit 0
+fi
+
+flow_run() {  # flow_run <engine> [--set ...]: 10 rollouts of 512 samples, then generation and training throughput
+  local engine=$1 run_dir started
+  shift
   run_dir=$(mktemp -d)/run
   started=$(date +%s)
-  "$PY" -m flows.cli run sync --run-dir "$run_dir" --num-rollout 10 \
-    --set rollout.device=cuda --set train.device=cuda --set model.warmup.max_steps=200
-  echo "sync flow, 10 rollouts of 512 samples on CUDA: $(( $(date +%s) - started )) s wall (warm-up and start-up included)"
+  "$PY" -m flows.cli run sync --run-dir "$run_dir" --num-rollout 10 --set rollout.engine="$engine" \
+    --set rollout.device=cuda --set train.device=cuda --set model.warmup.max_steps=200 "$@"
+  echo "sync flow with the $engine engine, 10 rollouts on CUDA: $(( $(date +%s) - started )) s wall (start-up included)"
+  "$PY" - "$run_dir/metrics.jsonl" "$engine" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])][1:]  # the first rollout pays the warm-up
+tokens = sum(r["samples"] * r["response_length_mean"] for r in rows)
+print(f"{sys.argv[2]} engine in the flow: {tokens / sum(r['time_generate'] for r in rows):,.0f} generated tokens/s, "
+      f"train step {sum(r['time_train'] for r in rows) / len(rows):.3f} s, weight sync {sum(r['time_sync'] for r in rows) / len(rows):.3f} s")
+EOF
+}
+
+flow_run torch
+SGLANG_PYTHON=${SGLANG_PYTHON:-$PWD/.venv-sglang/bin/python}
+if [ -x "$SGLANG_PYTHON" ] && "$SGLANG_PYTHON" -c "import sglang" 2>/dev/null; then
+  # The trainer shares the GPU: SGLang takes a part of the memory only.
+  flow_run sglang --set rollout.sglang.python="$SGLANG_PYTHON" --set rollout.sglang.mem_fraction_static=0.5
 else
-  echo "ray or prefect not installed: the flow run is skipped"
+  echo "no SGLang at $SGLANG_PYTHON (make install-gpu): the SGLang flow run is skipped"
 fi

@@ -1,6 +1,7 @@
 """SGLangEngine: one SGLang HTTP server, started and driven from its Ray actor (the GPU path of `generate`).
 
-The server is `python -m sglang.launch_server` (SGLang 0.5.23), bound to 127.0.0.1 on a free port. Requests
+The server is `python -m sglang.launch_server` (SGLang 0.5.23), bound to 127.0.0.1 on a free port, run by the
+Python of SGLang's own environment when `rollout.sglang.python` names one. Requests
 carry token ids and come back as token ids with their log-probs, so nothing is re-tokenized. Pushed weights are
 written as safetensors next to the model's config and loaded with `/update_weights_from_disk` inside a paused
 weight-update session; adapters are written as PEFT directories and loaded with `/load_lora_adapter`. Neither
@@ -53,7 +54,7 @@ class SGLangEngine:
         self.url = f"http://127.0.0.1:{port}"
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
         command = [
-            sys.executable, "-m", config.server_module, "--model-path", str(model_dir), "--host", "127.0.0.1",
+            config.python or sys.executable, "-m", config.server_module, "--model-path", str(model_dir), "--host", "127.0.0.1",
             "--port", str(port), "--device", device.split(":")[0], "--tp-size", str(config.tp_size),
             "--weight-version", str(weight_version),
         ]

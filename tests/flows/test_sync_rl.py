@@ -2,6 +2,9 @@
 
 import asyncio
 import json
+import os
+import signal
+import threading
 from pathlib import Path
 
 from prefect.client.orchestration import get_client
@@ -10,8 +13,8 @@ from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 from flows.sync_rl import sync_rl
 from miles.checkpoint import Ledger
 from miles.run import RLRun
-from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff
-from tests.faults import assert_whole_rollouts, fault_before, freeze_then_kill
+from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff, sglang_overrides
+from tests.faults import assert_whole_rollouts, fault_before, freeze_then_kill, sglang_server_pid
 
 
 async def _history(flow_run_id):
@@ -65,3 +68,32 @@ def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
     assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
     # fp32 on the CPU, same seeds: every rollout applied exactly once gives the uninterrupted run's weights.
     assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0
+
+
+def test_the_sglang_engine_runs_the_flow_and_a_killed_server_is_replaced(
+    ray_session, prefect_api, small_config, monkeypatch, uninterrupted_weights
+):
+    """rollout.engine=sglang, served by the stand-in server: the server is killed while rollout 2 generates."""
+    config = small_config(*sglang_overrides(), **RECOVERY_RUN)
+    server_killed = fault_before(monkeypatch, RLRun, "generate", lambda run, i: i == 2,
+                                 lambda run: _kill_during_next_call(sglang_server_pid(run.controller.engines[0])))
+
+    state = sync_rl(config, return_state=True)
+
+    assert state.is_completed(), state.message
+    assert [i for i, _ in server_killed] == [2]
+    _, task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+    runs = {r.name: r for r in task_runs}
+    assert runs["generate[rollout=2]"].run_count == 2
+    assert sum(r.run_count for r in task_runs) == len(task_runs) + 1  # no other retries
+    assert sorted(Ledger(config.run_dir).trained) == [0, 1, 2, 3, 4]
+    assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
+    # The stand-in samples with the same seeded TorchEngine: the run trains exactly as the torch-engine run does.
+    assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0
+
+
+def _kill_during_next_call(pid: int) -> int:
+    """Stop the server now and kill it a second later, so the coming /generate is in flight when it dies."""
+    os.killpg(pid, signal.SIGSTOP)
+    threading.Timer(1.0, os.killpg, (pid, signal.SIGKILL)).start()
+    return pid

@@ -38,6 +38,19 @@ from miles.engines.torch_engine import TorchEngine
 SGLANG_DEFAULT_SEED = 42  # the sampling_seed SGLang uses when a request sets none
 
 
+@torch.no_grad()
+def _load_by_name(model, tensors: dict[str, torch.Tensor]) -> None:
+    """As SGLang's load_weights: each file tensor goes to its parameter; a tied lm_head may be absent from the files."""
+    parameters = model.state_dict()
+    unknown = sorted(set(tensors) - set(parameters))
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(set(parameters) - set(tensors) - tied)
+    if unknown or missing:
+        raise ValueError(f"weights do not match the model: unknown {unknown[:3]}, missing {missing[:3]}")
+    for name, tensor in tensors.items():
+        parameters[name].copy_(tensor)
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
@@ -147,9 +160,13 @@ class StandInServer:
         if not files:
             return JSONResponse({"success": False, "message": f"Failed to update weights: no safetensors in {body['model_path']}",
                                  "num_paused_requests": 0}, status_code=400)
-        tensors = {name: t for f in files for name, t in load_file(f).items()}
-        with self._engine_lock:
-            self.engine.update_weights(tensors, 0)
+        try:
+            tensors = {name: t for f in files for name, t in load_file(f).items()}
+            with self._engine_lock:
+                _load_by_name(self.engine.model, tensors)
+        except Exception as exc:  # noqa: BLE001 - SGLang answers a failed load, it does not crash
+            return JSONResponse({"success": False, "message": f"Failed to update weights: {exc}.\nRolling back to original weights.",
+                                 "num_paused_requests": 0}, status_code=400)
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
         message = "Succeeded to update model weights."
@@ -171,9 +188,12 @@ class StandInServer:
         if not targets <= set(self.args.lora_target_modules or ()):
             return _lora_answer(False, f"LoRA adapter {name} targets {sorted(targets)}, incompatible with the current LoRA "
                                        f"memory pool configuration ({self.args.lora_target_modules}).", self.lora_paths)
-        tensors = load_file(Path(path) / "adapter_model.safetensors")
-        with self._engine_lock:
-            self.engine.load_adapter(name, tensors, config, 0)
+        try:
+            tensors = load_file(Path(path) / "adapter_model.safetensors")
+            with self._engine_lock:
+                self.engine.load_adapter(name, tensors, config, 0)
+        except Exception as exc:  # noqa: BLE001 - SGLang answers a failed load, it does not crash
+            return _lora_answer(False, f"Failed to load LoRA adapter {name}: {exc}", self.lora_paths)
         self.lora_paths[name] = path
         return _lora_answer(True, "", self.lora_paths)
 

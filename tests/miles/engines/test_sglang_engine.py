@@ -1,0 +1,194 @@
+"""SGLangEngine against the stand-in SGLang server (tests/miles/engines/sglang_server.py), in this process.
+
+The stand-in generates with a TorchEngine, so every sample must equal a TorchEngine's holding the same weights:
+that checks the request fields, the reading of `output_token_logprobs` and the weight and adapter pushes at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+import ray
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from miles.config import SGLangConfig
+from miles.engines import EngineUnavailable, RolloutEngine
+from miles.engines.sglang_engine import SGLangEngine
+from miles.engines.torch_engine import TorchEngine
+from tests.conftest import SGLANG_STAND_IN
+from tests.faults import sglang_server_pid
+from tests.miles.engines.test_torch_engine import _requests, _seeded
+from tests.miles.engines.test_torch_engine_adapters import PROMPTS, _with_adapter, make_lora  # noqa: F401 - fixture
+
+STAND_IN = SGLangConfig(server_module=SGLANG_STAND_IN, health_timeout_s=5)
+
+
+def _start(tiny_model_dir, **kwargs) -> SGLangEngine:
+    kwargs.setdefault("config", STAND_IN)
+    return SGLangEngine(str(tiny_model_dir), device="cpu", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_model_dir):
+    """One server for the module, with LoRA enabled as the multi-LoRA flow starts it."""
+    engine = _start(tiny_model_dir, weight_version=3, lora_rank=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                                         "gate_proj", "up_proj", "down_proj"])
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    engine = _start(tiny_model_dir, weight_version=3, timeout_s=5)
+    yield engine
+    engine.shutdown()
+
+
+def _requests_log(engine) -> list[str]:
+    """The server's access log: 'POST /generate', ... in the order the server got them."""
+    return re.findall(r'"((?:GET|POST) /\w+)', engine._log_path.read_text())
+
+
+def _assert_same(got, expected):
+    assert [(r.output_ids, r.finish_reason, r.weight_version) for r in got] == \
+           [(r.output_ids, r.finish_reason, r.weight_version) for r in expected]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
+
+
+def test_samples_equal_the_torch_engine(lora_engine, tiny_model_dir, tokenizer):
+    assert isinstance(lora_engine, RolloutEngine)
+    requests = _seeded(_requests(tokenizer, PROMPTS * 3, max_new_tokens=2, temperature=0.9, top_p=0.95), 7)
+    reference = TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
+
+    results = lora_engine.generate(requests)
+
+    _assert_same(results, reference.generate(requests))
+    assert {r.finish_reason for r in results} == {"stop", "length"}  # both forms of finish_reason are read
+    stopped = [r for r in results if r.finish_reason == "stop"]
+    assert all(r.output_ids[-1] == tokenizer.eos_token_id for r in stopped)  # no_stop_trim: the stop token is kept
+
+
+def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, tiny_model_dir, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    weights = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    requests = _seeded(_requests(tokenizer, PROMPTS, max_new_tokens=6), 3)
+    reference = TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
+    before = engine.generate(requests)
+
+    engine.update_weights(weights, 4)
+
+    reference.update_weights(weights, 4)
+    after = engine.generate(requests)
+    _assert_same(after, reference.generate(requests))
+    assert {r.weight_version for r in before} == {3} and {r.weight_version for r in after} == {4}  # read from meta_info
+    assert [r.output_ids for r in after] != [r.output_ids for r in before]
+    log = _requests_log(engine)
+    refit = log[log.index("POST /pause_generation"):]
+    assert refit[:6] == ["POST /pause_generation", "POST /flush_cache", "POST /begin_weight_update",
+                         "POST /update_weights_from_disk", "POST /end_weight_update", "POST /continue_generation"]
+    assert [p.name for p in engine._work_dir.glob("weights-*")] == ["weights-4"]  # the previous push is removed
+
+
+def test_adapters_are_loaded_replaced_and_unloaded(lora_engine, tiny_model_dir, tokenizer, make_lora):
+    first, second = make_lora(1), make_lora(2)
+    requests = _seeded(_requests(tokenizer, PROMPTS, max_new_tokens=6), 9)
+    mixed = requests + _with_adapter(requests, "a")
+    reference = TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
+
+    lora_engine.load_adapter("a", *first, version=1)
+    reference.load_adapter("a", *first, version=1)
+    _assert_same(lora_engine.generate(mixed), reference.generate(mixed))
+
+    lora_engine.load_adapter("a", *second, version=2)  # a name loads once: the new version unloads the old first
+    reference.load_adapter("a", *second, version=2)
+    results = lora_engine.generate(mixed)
+    _assert_same(results, reference.generate(mixed))
+    assert {r.weight_version for r in results[len(requests):]} == {2} and {r.weight_version for r in results[:len(requests)]} == {3}
+    log = _requests_log(lora_engine)
+    assert log.count("POST /load_lora_adapter") == 2 and log[log.index("POST /unload_lora_adapter") + 1] == "POST /load_lora_adapter"
+
+    with pytest.raises(ValueError, match="frozen"):
+        lora_engine.update_weights({}, 5)
+    lora_engine.unload_adapter("a")
+    assert lora_engine.adapter_versions() == {}
+    with pytest.raises(ValueError, match="not loaded"):
+        lora_engine.generate(_with_adapter(requests, "a"))
+
+
+def test_the_server_refuses_a_name_loaded_twice(lora_engine, make_lora, tmp_path):
+    tensors, config = make_lora(3)
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    body = {"lora_name": "twice", "lora_path": str(tmp_path), "pinned": False}
+    assert httpx.post(f"{lora_engine.url}/load_lora_adapter", json=body, trust_env=False).json()["success"]
+    answer = httpx.post(f"{lora_engine.url}/load_lora_adapter", json=body, trust_env=False)
+    assert answer.status_code == 400
+    assert answer.json()["error_message"] == "Failed to load LoRA adapter twice because it is already loaded"
+    httpx.post(f"{lora_engine.url}/unload_lora_adapter", json={"lora_name": "twice"}, trust_env=False).raise_for_status()
+
+
+def test_a_refused_request_is_a_value_error(engine):
+    with pytest.raises(ValueError, match="refused /unload_lora_adapter .*does not exist"):
+        engine._post("/unload_lora_adapter", {"lora_name": "nothing"})
+    assert engine.health()
+
+
+@pytest.mark.parametrize("fault", ["connection refused", "5xx", "timeout"])
+def test_a_dead_failing_or_silent_server_raises_engine_unavailable(engine, tokenizer, fault):
+    requests = _requests(tokenizer, PROMPTS, max_new_tokens=4)
+    pid = engine._process.pid
+    if fault == "connection refused":
+        os.killpg(pid, signal.SIGKILL)
+        engine._process.wait()
+        expected = "exited with code -9"
+    elif fault == "5xx":
+        httpx.post(f"{engine.url}/test_fault", json={"status": 503}, trust_env=False).raise_for_status()
+        expected = "answered 503"
+    else:
+        os.killpg(pid, signal.SIGSTOP)  # alive, but silent: the 5 s timeout of the engine fixture ends the wait
+        expected = "no answer to /generate within the timeout"
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineUnavailable, match=expected):
+            engine.generate(requests)
+        assert time.monotonic() - started < 15
+        assert not engine.health()  # so the controller restarts it
+    finally:
+        if fault == "timeout":
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_server_that_cannot_start_names_its_exit_code_and_log(tiny_model_dir):
+    config = STAND_IN.model_copy(update={"extra_args": ["--no-such-flag"]})
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 while starting.*unrecognized arguments: --no-such-flag"):
+        _start(tiny_model_dir, config=config)
+
+
+def test_the_server_dies_with_its_engine_actor(ray_session, tiny_model_dir):
+    """A killed actor (a hang, a restart) must not leave its server holding the port and the GPU."""
+    actor = ray.remote(SGLangEngine).options(num_cpus=1).remote(str(tiny_model_dir), device="cpu", config=STAND_IN)
+    pid = sglang_server_pid(actor)
+    ray.kill(actor)
+    deadline = time.monotonic() + 20
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead, only not yet reaped
+        return stat.read().split(")")[-1].split()[0] != "Z"
