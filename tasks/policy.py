@@ -4,8 +4,9 @@ A ValueError, TypeError or KeyError (a ConfigError is a ValueError) says the con
 retry would fail the same way, so the task fails at once with that message. Anything else is retried after 1 s,
 then 4 s, then 10 s, each stretched by up to 50% jitter: an engine that died or hung (EngineRestarted: the
 controller has already restarted it with the current weights), a trainer that died (ActorLost: the retry
-restores it from the latest checkpoint and the ledger), a lost connection. The retries show in the task run's
-state history in the UI.
+restores it from the latest checkpoint and the ledger), an SGLang server that failed once but passes its
+health check (EngineUnavailable), a lost connection. A refused SGLang request (4xx) is a ValueError. The
+retries show in the task run's state history in the UI.
 """
 
 from __future__ import annotations

@@ -35,6 +35,31 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def make_lora(tiny_model_dir):
+    """(PEFT state dict, adapter_config.json contents) of a LoRA adapter whose lora_B is random, not zero."""
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from miles.config import AdapterConfig
+    from miles.train.lora import config_dict, lora_config
+
+    def make(seed: int, rank: int = 8, scale: float = 0.5):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        torch.manual_seed(seed)
+        model = get_peft_model(base, lora_config(AdapterConfig(name="x", rank=rank)))
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {
+            k: (torch.randn(v.shape, generator=gen) * scale if "lora_B" in k else v.detach().clone())
+            for k, v in get_peft_model_state_dict(model).items()
+        }
+        assert any("lora_B" in k for k in tensors) and any("lora_A" in k for k in tensors)
+        return tensors, config_dict(model.peft_config["default"])
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     import ray
 
@@ -104,6 +129,19 @@ def uninterrupted_weights(ray_session, tiny_model_dir, tmp_path_factory):
     config = small_config_for(tiny_model_dir, tmp_path_factory.mktemp("uninterrupted") / "run", **RECOVERY_RUN)
     run_sync(config)
     return final_weights(config.run_dir, RECOVERY_RUN["num_rollout"] - 1)
+
+
+def perturbed_weights(model_dir, seed: int, scale: float) -> dict:
+    """The model's state dict with noise added to each parameter; tied parameters stay tied, as a trainer's are."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():  # a tied parameter is listed once
+            parameter.add_(scale * torch.randn(parameter.shape, generator=gen))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def final_weights(run_dir, rollout_id: int) -> dict:

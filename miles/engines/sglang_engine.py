@@ -73,16 +73,16 @@ class SGLangEngine:
 
     def _wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"sglang server exited with code {self._process.returncode} while starting; "
-                                   f"its log ({self._log_path}) ends:\n{self._log_tail()}")
+        while self._process.poll() is None and time.monotonic() < deadline:
             if self.health():
+                log.info("sglang server at %s is up; its log: %s", self.url, self._log_path)
                 return
             time.sleep(_POLL_S)
+        exited = self._process.poll()
+        what = f"exited with code {exited}" if exited is not None else f"did not answer /health_generate within {timeout_s:g} s"
+        message = f"sglang server at {self.url} {what} while starting; its log ends:\n{self._log_tail()}"
         self.shutdown()
-        raise RuntimeError(f"sglang server at {self.url} did not answer /health_generate within {timeout_s:g} s; "
-                           f"its log ends:\n{self._log_tail()}")
+        raise RuntimeError(message)
 
     def _log_tail(self) -> str:
         try:
@@ -100,8 +100,8 @@ class SGLangEngine:
             raise EngineUnavailable(f"sglang server at {self.url}: no answer to {path} within the timeout ({exc!r})") from None
         except httpx.TransportError as exc:
             exited = self._process.poll()
-            state = f"exited with code {exited}" if exited is not None else "running"
-            raise EngineUnavailable(f"sglang server at {self.url} ({state}): {path} failed: {exc!r}") from None
+            state = f"exited with code {exited}; its log ends:\n{self._log_tail()}" if exited is not None else "running"
+            raise EngineUnavailable(f"sglang server at {self.url}: {path} failed: {exc!r} (server {state})") from None
         if response.status_code >= 500:
             raise EngineUnavailable(f"sglang server at {self.url}: {path} answered {response.status_code}: {response.text[:500]}")
         if response.status_code >= 400:

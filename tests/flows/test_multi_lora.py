@@ -14,7 +14,7 @@ from flows.multi_lora import multi_lora
 from miles.checkpoint import Ledger
 from miles.loop import run_multi_lora
 from miles.multi_lora import AdapterRun
-from tests.conftest import max_abs_diff
+from tests.conftest import max_abs_diff, sglang_overrides
 from tests.faults import assert_whole_rollouts, fault_before, freeze_then_kill
 
 ADAPTERS = [
@@ -107,4 +107,18 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
         adapter_dir = Path(config.run_dir) / "adapters" / adapter
         assert sorted(Ledger(adapter_dir).trained) == list(range(steps))
         assert_whole_rollouts(adapter_dir, range(steps), samples)
+        assert max_abs_diff(_adapter_weights(config.run_dir, adapter, steps - 1), _adapter_weights(reference.run_dir, adapter, steps - 1)) == 0.0
+
+
+def test_sglang_engines_serve_the_adapters_as_the_torch_engines_do(ray_session, small_config, tmp_path):
+    """The multi-LoRA loop with rollout.engine=sglang (the stand-in server, LoRA enabled from `adapters`): each
+    adapter pushed as a PEFT directory trains exactly as with the TorchEngine."""
+    reference = small_config(*ADAPTERS, run_dir=str(tmp_path / "torch"))
+    run_multi_lora(reference)
+    config = small_config(*ADAPTERS, *sglang_overrides(), run_dir=str(tmp_path / "sglang"))
+
+    run_multi_lora(config)
+
+    for adapter, steps in (("add", 3), ("sub", 2)):
+        assert sorted(Ledger(Path(config.run_dir) / "adapters" / adapter).trained) == list(range(steps))
         assert max_abs_diff(_adapter_weights(config.run_dir, adapter, steps - 1), _adapter_weights(reference.run_dir, adapter, steps - 1)) == 0.0

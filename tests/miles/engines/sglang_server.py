@@ -12,7 +12,8 @@ with SGLang's request fields, response JSON and status codes:
   open, is refused), `/update_weights_from_disk` (safetensors files of the model's parameter names).
 - LoRA (with `--enable-lora`): `/load_lora_adapter` (a name loaded twice is refused), `/unload_lora_adapter`.
 - `/health`, `/health_generate` (a one-token generation), `/model_info`.
-It generates with a TorchEngine, so tokens and log-probs are real. `/test_fault` is its own, not SGLang's: it
+It generates with a TorchEngine, so tokens and log-probs are real, and always honours `sampling_seed` (as
+SGLang does with `--enable-deterministic-inference`). `/test_fault` is its own, not SGLang's: it
 makes every later request answer an HTTP error, as a server whose scheduler crashed does.
 """
 

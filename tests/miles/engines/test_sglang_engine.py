@@ -17,16 +17,15 @@ import pytest
 import ray
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
 
 from miles.config import SGLangConfig
 from miles.engines import EngineUnavailable, RolloutEngine
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
-from tests.conftest import SGLANG_STAND_IN
+from tests.conftest import SGLANG_STAND_IN, perturbed_weights
 from tests.faults import sglang_server_pid
 from tests.miles.engines.test_torch_engine import _requests, _seeded
-from tests.miles.engines.test_torch_engine_adapters import PROMPTS, _with_adapter, make_lora  # noqa: F401 - fixture
+from tests.miles.engines.test_torch_engine_adapters import PROMPTS, _with_adapter
 
 STAND_IN = SGLangConfig(server_module=SGLANG_STAND_IN, health_timeout_s=5)
 
@@ -78,9 +77,7 @@ def test_samples_equal_the_torch_engine(lora_engine, tiny_model_dir, tokenizer):
 
 
 def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, tiny_model_dir, tokenizer):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    weights = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    weights = perturbed_weights(tiny_model_dir, 1, 0.05)
     requests = _seeded(_requests(tokenizer, PROMPTS, max_new_tokens=6), 3)
     reference = TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
     before = engine.generate(requests)
@@ -170,7 +167,7 @@ def test_a_dead_failing_or_silent_server_raises_engine_unavailable(engine, token
 
 def test_a_server_that_cannot_start_names_its_exit_code_and_log(tiny_model_dir):
     config = STAND_IN.model_copy(update={"extra_args": ["--no-such-flag"]})
-    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 while starting.*unrecognized arguments: --no-such-flag"):
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 while starting; its log ends:.*unrecognized arguments: --no-such-flag"):
         _start(tiny_model_dir, config=config)
 
 

@@ -7,12 +7,10 @@ from collections import Counter
 
 import pytest
 import torch
-from peft import get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
-from miles.train.lora import config_dict, lora_config
 from tests.miles.engines.test_torch_engine import _requests, _seeded
 
 PROMPTS = ["1+2=", "45+67=", "9+99=", "3+", "10+0=", "88+8="]
@@ -22,25 +20,6 @@ PROMPTS = ["1+2=", "45+67=", "9+99=", "3+", "10+0=", "88+8="]
 def engine(tiny_model_dir):
     """A base-only engine (no adapter is ever loaded on it)."""
     return TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
-
-
-@pytest.fixture(scope="module")
-def make_lora(tiny_model_dir):
-    """(PEFT state dict, adapter_config.json contents) of a LoRA adapter whose lora_B is random, not zero."""
-
-    def make(seed: int, rank: int = 8, scale: float = 0.5):
-        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        torch.manual_seed(seed)
-        model = get_peft_model(base, lora_config(AdapterConfig(name="x", rank=rank)))
-        gen = torch.Generator().manual_seed(seed)
-        tensors = {
-            k: (torch.randn(v.shape, generator=gen) * scale if "lora_B" in k else v.detach().clone())
-            for k, v in get_peft_model_state_dict(model).items()
-        }
-        assert any("lora_B" in k for k in tensors) and any("lora_A" in k for k in tensors)
-        return tensors, config_dict(model.peft_config["default"])
-
-    return make
 
 
 @pytest.fixture

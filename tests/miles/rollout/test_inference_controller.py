@@ -12,13 +12,10 @@ import httpx
 import pytest
 import ray
 import torch
-from peft import get_peft_model, get_peft_model_state_dict
-from transformers import AutoModelForCausalLM
 
 from miles.config import AdapterConfig, RolloutConfig, load_config
 from miles.rollout.inference_controller import EngineRestarted, InferenceController
-from miles.train.lora import config_dict, lora_config
-from tests.conftest import sglang_overrides
+from tests.conftest import perturbed_weights, sglang_overrides
 from tests.faults import actor_pid, sglang_server_pid
 from tests.miles.engines.test_torch_engine import _requests, _seeded
 
@@ -29,17 +26,6 @@ def controller(ray_session, tiny_model_dir):
     controller = InferenceController(str(tiny_model_dir), 2, RolloutConfig(num_engines=2, num_threads=1))
     yield controller
     controller.shutdown()
-
-
-def _lora(tiny_model_dir, seed: int):
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    model = get_peft_model(base, lora_config(AdapterConfig(name="x")))
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {
-        k: (torch.randn(v.shape, generator=gen) * 0.5 if "lora_B" in k else v.detach().clone())
-        for k, v in get_peft_model_state_dict(model).items()
-    }
-    return tensors, config_dict(model.peft_config["default"])
 
 
 def _assert_same_samples(got, expected):
@@ -124,8 +110,8 @@ def test_two_threads_at_once_without_orchestration(controller, tokenizer):
         _assert_same_samples(got, expected)
 
 
-def test_concurrent_callers_of_two_adapters(controller, tokenizer, tiny_model_dir, monkeypatch):
-    (ta, ca), (tb, cb) = _lora(tiny_model_dir, 1), _lora(tiny_model_dir, 2)
+def test_concurrent_callers_of_two_adapters(controller, tokenizer, make_lora, monkeypatch):
+    (ta, ca), (tb, cb) = make_lora(1), make_lora(2)
     controller.load_adapter("a", ray.put(ta), ca, 7)
     controller.load_adapter("b", ray.put(tb), cb, 8)
     # Left loaded: base requests are unaffected by loaded adapters (the engine's adapter tests check that).
@@ -175,14 +161,8 @@ def test_a_bad_caller_is_refused_without_failing_concurrent_callers(controller, 
 # ---------------------------------------------------------------- engine death and hangs
 
 
-def _perturbed_weights(tiny_model_dir) -> dict[str, torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(11)
-    return {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
-
-
 @pytest.fixture(params=["torch", "sglang"])
-def recovering(request, ray_session, tiny_model_dir):
+def recovering(request, ray_session, tiny_model_dir, make_lora):
     """An engine holding pushed weights (version 5) and an adapter, so that a restart must restore both. One engine:
     the module's two-engine controller still holds two of the session's three Ray CPUs. The faults hit the
     process that generates: the TorchEngine actor, or the SGLang engine's server."""
@@ -190,9 +170,9 @@ def recovering(request, ray_session, tiny_model_dir):
     rollout = load_config(None, ["rollout.num_threads=1", "rollout.engine_timeout_s=20", *overrides]).rollout
     controller = InferenceController(str(tiny_model_dir), 0, rollout, [AdapterConfig(name="a")])
     controller.generating_pid = lambda: (sglang_server_pid if request.param == "sglang" else actor_pid)(controller.engines[0])
-    controller.update_weights(ray.put(_perturbed_weights(tiny_model_dir)), 5)
+    controller.update_weights(ray.put(perturbed_weights(tiny_model_dir, 11, 0.02)), 5)
     # Engines serving adapters refuse full-weight pushes, so the adapter comes after the weights.
-    tensors, config = _lora(tiny_model_dir, 3)
+    tensors, config = make_lora(3)
     controller.load_adapter("a", ray.put(tensors), config, 9)
     yield controller
     controller.shutdown()
@@ -254,7 +234,7 @@ def test_hung_engine_is_restarted_after_the_timeout(recovering, tokenizer):
 def test_a_refused_push_is_not_an_engine_death(recovering, tiny_model_dir):
     engines = list(recovering.engines)
     with pytest.raises(ValueError, match="frozen"):  # the engines serve an adapter, so a full push is refused
-        recovering.update_weights(ray.put(_perturbed_weights(tiny_model_dir)), 6)
+        recovering.update_weights(ray.put(perturbed_weights(tiny_model_dir, 11, 0.02)), 6)
     assert recovering.engines == engines
 
 
