@@ -25,7 +25,7 @@ from miles.engines import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models.tiny import build_tiny_model, build_tokenizer
 from miles.rewards import resolve_reward
-from miles.rollout.schema import ROLLOUT_SCHEMA
+from miles.rollout.schema import samples_table
 from miles.train.actor import TrainActor
 from miles.train.advantages import grpo_advantages
 from miles.train.batch import batch_from_table
@@ -56,18 +56,11 @@ def _requests(tokenizer, count: int, group: int, max_new: int, stop: bool, adapt
                      for i, p in enumerate(ids) for j in range(group)]
 
 
-def _table(requests, results, rewards, group: int, adapter: str | None) -> pa.Table:
+def _table(requests, results, rewards, group: int) -> pa.Table:
     n = len(results)
-    return pa.Table.from_pydict({
-        "rollout_id": [0] * n, "sample_index": list(range(n)), "group_index": [i // group for i in range(n)],
-        "adapter": pa.array([adapter] * n, pa.string()).dictionary_encode().cast(ROLLOUT_SCHEMA.field("adapter").type),
-        "prompt_ids": [r.prompt_ids for r in requests], "response_ids": [r.output_ids for r in results],
-        "response_length": [len(r.output_ids) for r in results], "rollout_logprobs": [r.logprobs for r in results],
-        "loss_mask": [[1] * len(r.output_ids) for r in results], "raw_reward": rewards,
-        "advantage": grpo_advantages(torch.tensor(rewards).numpy(), torch.arange(n).numpy() // group).tolist(),
-        "status": pa.array(["completed"] * n).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
-        "weight_version": [r.weight_version for r in results], "label": [""] * n,
-    }, schema=ROLLOUT_SCHEMA)
+    return samples_table(requests, results, rollout_id=0, first_index=0, group_index=[i // group for i in range(n)],
+                         raw_reward=rewards, status=["completed"] * n, label=[""] * n,
+                         advantage=grpo_advantages(torch.tensor(rewards).numpy(), torch.arange(n).numpy() // group).tolist())
 
 
 def _logprob_gap(model, table: pa.Table, config) -> float:
@@ -91,7 +84,7 @@ def check_full_model(root: Path, tokenizer) -> bool:
         texts = tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
         labels = [str(sum(map(int, p[:-1].split("+")))) for p in prompts for _ in range(8)]
         rewards = [float(reward(t, l, True)) for t, l in zip(texts, labels)]
-        table = _table(requests, results, rewards, 8, None)
+        table = _table(requests, results, rewards, 8)
         gap = _logprob_gap(trainer.model, table, config)
         metrics = trainer.train(rollout_id, table)
         engine.update_weights(trainer.weights(), rollout_id + 1)
@@ -113,7 +106,7 @@ def check_multi_lora(root: Path, tokenizer) -> bool:
         _, requests = _requests(tokenizer, 64, 8, 4, stop=True)
         results = engine.generate(requests)
         rewards = [float(len(r.output_ids) == 3) for r in results]  # any signal: trains the adapter off its init
-        trainer.train(adapter.name, 0, _table(requests, results, rewards, 8, None))
+        trainer.train(adapter.name, 0, _table(requests, results, rewards, 8))
         engine.load_adapter(adapter.name, trainer.adapter_weights(adapter.name), trainer.adapter_config(adapter.name), 1)
     mixed = []
     for i, adapter in enumerate(adapters):
@@ -123,7 +116,7 @@ def check_multi_lora(root: Path, tokenizer) -> bool:
         rows = slice(32 * i, 32 * (i + 1))
         trainer.model.set_adapter(adapter.name)
         trainer.model.eval()
-        gap = _logprob_gap(trainer.model, _table(mixed[rows], results[rows], [0.0] * 32, 4, adapter.name), config)
+        gap = _logprob_gap(trainer.model, _table(mixed[rows], results[rows], [0.0] * 32, 4), config)
         ok &= gap < 1e-4 and {r.weight_version for r in results[rows]} == {1}
         print(f"multi-LoRA, adapter {adapter.name} in a mixed batch: engine-vs-peft log-prob max gap {gap:.2e}")
     return ok
@@ -148,7 +141,7 @@ def check_throughput(root: Path, tokenizer, hidden: int, layers: int, batch: int
     config = load_config(None, [f"model.path={model_dir}", f"train.global_batch_size={batch}", f"train.micro_batch_size={min(batch, 128)}",
                                 f"rollout.rollout_batch_size={batch // 8}", f"train.device={DEVICE}"], run_dir=str(root / "large-run"))
     trainer = TrainActor(config, str(model_dir), device=DEVICE)
-    table = _table(requests, results, [float(i % 3) for i in range(batch)], 8, None)
+    table = _table(requests, results, [float(i % 3) for i in range(batch)], 8)
     trainer.train(0, table)  # warm-up
     _synchronize()
     started = time.perf_counter()

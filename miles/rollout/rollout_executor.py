@@ -15,7 +15,7 @@ from miles.data import DataSource
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.rewards import RewardFn
 from miles.rollout.inference_controller import InferenceController
-from miles.rollout.schema import ROLLOUT_SCHEMA, rollout_metadata, with_rollout_metadata
+from miles.rollout.schema import ROLLOUT_SCHEMA, rollout_metadata, samples_table, with_rollout_metadata
 from miles.rollout.store import RolloutStore
 from miles.train.advantages import grpo_advantages
 
@@ -79,26 +79,10 @@ class RolloutExecutor:
                 rollout_id, self.config.data.reward, len(failures), len(texts), index, _clip(repr(texts[index])), why,
             )
 
-        count = len(results)
         statuses = ["failed" if r is None else "completed" if f else "truncated" for r, f in zip(rewards, finished)]
-        lengths = [len(r.output_ids) for r in results]
-        columns = {
-            "rollout_id": pa.array(np.full(count, rollout_id), pa.int64()),
-            "sample_index": pa.array(np.arange(first_index, first_index + count), pa.int64()),
-            "group_index": pa.array(np.repeat(np.arange(rollout_id * cfg.rollout_batch_size, (rollout_id + 1) * cfg.rollout_batch_size), n), pa.int64()),
-            "adapter": pa.array([self.adapter] * count, pa.string()).dictionary_encode().cast(ROLLOUT_SCHEMA.field("adapter").type),
-            "prompt_ids": pa.array([ids for ids in prompt_ids for _ in range(n)], pa.list_(pa.int32())),
-            "response_ids": pa.array([r.output_ids for r in results], pa.list_(pa.int32())),
-            "response_length": pa.array(lengths, pa.int32()),
-            "rollout_logprobs": pa.array([r.logprobs for r in results], pa.list_(pa.float32())),
-            "loss_mask": pa.array([[1] * k for k in lengths], pa.list_(pa.int8())),
-            "raw_reward": pa.array(rewards, pa.float32()),
-            "advantage": pa.nulls(count, pa.float32()),
-            "status": pa.array(statuses).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
-            "weight_version": pa.array([r.weight_version for r in results], pa.int64()),
-            "label": pa.array(labels, pa.string()),
-        }
-        table = pa.Table.from_pydict(columns, schema=ROLLOUT_SCHEMA)
+        groups = np.repeat(np.arange(rollout_id * cfg.rollout_batch_size, (rollout_id + 1) * cfg.rollout_batch_size), n)
+        table = samples_table(requests, results, rollout_id=rollout_id, first_index=first_index, group_index=groups,
+                              raw_reward=rewards, status=statuses, label=labels)
         end = self.data_source.position + cfg.rollout_batch_size
         table = with_rollout_metadata(
             table, rollout_id=rollout_id, algorithm=self.config.algo.advantage_estimator, data_position_end=end

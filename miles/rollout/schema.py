@@ -6,7 +6,12 @@ stored rollout and is never trained on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import pyarrow as pa
+
+from miles.engines.base import GenerateRequest, GenerateResult
 
 SCHEMA_VERSION = "2"
 STATUSES = ("completed", "truncated", "aborted", "failed")
@@ -30,6 +35,43 @@ ROLLOUT_SCHEMA = pa.schema(
     ],
     metadata={"schema_version": SCHEMA_VERSION},
 )
+
+
+def samples_table(
+    requests: Sequence[GenerateRequest],
+    results: Sequence[GenerateResult],
+    *,
+    rollout_id: int,
+    first_index: int,
+    group_index: Sequence[int],
+    raw_reward: Sequence[float | None],
+    status: Sequence[str],
+    label: Sequence[str],
+    advantage: Sequence[float] | None = None,
+) -> pa.Table:
+    """The rollout table of generated samples: request i and its result i make row i, numbered from `first_index`;
+    every response token is trained on (loss mask 1). `advantage` is left null when not given (`get` fills it)."""
+    count = len(results)
+    lengths = [len(r.output_ids) for r in results]
+    return pa.Table.from_pydict(
+        {
+            "rollout_id": pa.array(np.full(count, rollout_id), pa.int64()),
+            "sample_index": pa.array(np.arange(first_index, first_index + count), pa.int64()),
+            "group_index": pa.array(group_index, pa.int64()),
+            "adapter": pa.array([q.adapter for q in requests], pa.string()).dictionary_encode().cast(ROLLOUT_SCHEMA.field("adapter").type),
+            "prompt_ids": pa.array([q.prompt_ids for q in requests], pa.list_(pa.int32())),
+            "response_ids": pa.array([r.output_ids for r in results], pa.list_(pa.int32())),
+            "response_length": pa.array(lengths, pa.int32()),
+            "rollout_logprobs": pa.array([r.logprobs for r in results], pa.list_(pa.float32())),
+            "loss_mask": pa.array([[1] * k for k in lengths], pa.list_(pa.int8())),
+            "raw_reward": pa.array(raw_reward, pa.float32()),
+            "advantage": pa.nulls(count, pa.float32()) if advantage is None else pa.array(advantage, pa.float32()),
+            "status": pa.array(status, pa.string()).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
+            "weight_version": pa.array([r.weight_version for r in results], pa.int64()),
+            "label": pa.array(label, pa.string()),
+        },
+        schema=ROLLOUT_SCHEMA,
+    )
 
 
 def with_rollout_metadata(table: pa.Table, **entries: str | int) -> pa.Table:

@@ -6,7 +6,7 @@ import torch
 
 from miles.engines import GenerateRequest, RolloutEngine, SamplingParams
 from miles.engines.torch_engine import TorchEngine
-from miles.rollout.schema import ROLLOUT_SCHEMA
+from miles.rollout.schema import samples_table
 from miles.train.actor import TrainActor
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs
@@ -29,25 +29,8 @@ def _seeded(requests, seed):
 
 def _table(requests, results, advantages=None) -> pa.Table:
     n = len(results)
-    return pa.Table.from_pydict(
-        {
-            "rollout_id": [0] * n,
-            "sample_index": list(range(n)),
-            "group_index": list(range(n)),
-            "adapter": pa.nulls(n, ROLLOUT_SCHEMA.field("adapter").type),
-            "prompt_ids": [r.prompt_ids for r in requests],
-            "response_ids": [r.output_ids for r in results],
-            "response_length": [len(r.output_ids) for r in results],
-            "rollout_logprobs": [r.logprobs for r in results],
-            "loss_mask": [[1] * len(r.output_ids) for r in results],
-            "raw_reward": [0.0] * n,
-            "advantage": advantages or [0.0] * n,
-            "status": pa.array(["completed"] * n).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
-            "weight_version": [r.weight_version for r in results],
-            "label": [""] * n,
-        },
-        schema=ROLLOUT_SCHEMA,
-    )
+    return samples_table(requests, results, rollout_id=0, first_index=0, group_index=range(n), raw_reward=[0.0] * n,
+                         status=["completed"] * n, label=[""] * n, advantage=advantages or [0.0] * n)
 
 
 def test_engine_logprobs_equal_trainer_logprobs(engine, tokenizer, tiny_model_dir, small_config):
