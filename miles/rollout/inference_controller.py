@@ -13,6 +13,7 @@ No partial batch is ever returned.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -124,7 +125,7 @@ class InferenceController:
             try:
                 return ray.get(list(refs.values()))
             except (ray.exceptions.RayActorError, EngineUnavailable) as exc:
-                cause, reason = exc, first_line(exc)
+                cause, reason = exc, _start_failure(exc) if getattr(exc, "actor_init_failed", False) else first_line(exc)
         restarted = self._restart_engines(hung)
         if not restarted:  # every engine passes its health check: the failure was not theirs (e.g. an argument's)
             raise cause
@@ -183,6 +184,13 @@ class InferenceController:
             _try_shutdown(engine)
             ray.kill(engine)
         self.engines = []
+
+
+def _start_failure(exc: ray.exceptions.RayActorError) -> str:
+    """An engine that failed to start: its own error (for SGLang, the server's log tail), without Ray's traceback."""
+    lines = str(exc).splitlines()
+    errors = [i for i, line in enumerate(lines) if re.match(r"^[\w.]*(Error|Exception): ", line)]
+    return "failed to start: " + "\n".join(lines[errors[-1]:] if errors else lines[:1])
 
 
 def _try_shutdown(engine: ray.actor.ActorHandle) -> None:

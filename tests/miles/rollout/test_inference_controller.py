@@ -253,3 +253,14 @@ def test_a_failing_sglang_server_is_restarted(ray_session, tiny_model_dir, token
         _assert_same_samples(controller.generate(requests), expected)
     finally:
         controller.shutdown()
+
+
+def test_an_engine_that_cannot_start_reports_why(ray_session, tiny_model_dir, tokenizer):
+    rollout = load_config(None, [*sglang_overrides(), "rollout.sglang.extra_args=[--no-such-flag]"]).rollout
+    controller = InferenceController(str(tiny_model_dir), 0, rollout)
+    try:
+        with pytest.raises(EngineRestarted, match=r"(?s)generate failed \(failed to start: RuntimeError: sglang server .* exited "
+                                                  r"with code 2 while starting; its log ends:.*unrecognized arguments: --no-such-flag"):
+            controller.generate(_requests(tokenizer, ["1+2="]))
+    finally:
+        controller.shutdown()
