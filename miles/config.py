@@ -77,7 +77,7 @@ class SGLangConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["torch", "sglang"] = Field("torch", description="torch: TorchEngine actors; sglang: SGLang servers (pip install .[gpu])")
+    engine: Literal["torch", "sglang"] = Field("torch", description="torch: TorchEngine actors; sglang: SGLang servers (make install-gpu)")
     num_engines: int = Field(1, gt=0)
     rollout_batch_size: int = Field(64, gt=0, description="prompts per rollout")
     n_samples_per_prompt: int = Field(8, gt=0)
