@@ -161,16 +161,16 @@ class SGLangEngine:
         self._post("/pause_generation", {"mode": "abort"})
         try:
             self._flush_cache()
-            self._post("/begin_weight_update", {})
+            self._post("/begin_weight_update")
             try:
                 answer = self._post("/update_weights_from_disk", {
                     "model_path": str(directory), "weight_version": str(version), "flush_cache": False,
                     "abort_all_requests": False,
                 }).json()
             finally:
-                self._post("/end_weight_update", {})
+                self._post("/end_weight_update")
         finally:
-            self._post("/continue_generation", {})
+            self._post("/continue_generation")
         if not answer.get("success", False):
             raise RuntimeError(f"sglang server at {self.url} failed to load weights version {version}: {answer.get('message')}")
         self._weight_version = version
@@ -190,18 +190,13 @@ class SGLangEngine:
 
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
         """Load (or replace) LoRA adapter `name`: SGLang refuses a name loaded twice, so a new version unloads first."""
-        previous = self._work_dir / "adapters" / f"{name}-{self._adapter_versions.get(name)}"
+        self.unload_adapter(name)
         directory = self._work_dir / "adapters" / f"{name}-{version}"
         directory.mkdir(parents=True, exist_ok=True)
         save_file(_unshared(named_tensors), directory / "adapter_model.safetensors")
         (directory / "adapter_config.json").write_text(json.dumps(config))
-        if name in self._adapter_versions:
-            self._post("/unload_lora_adapter", {"lora_name": name})
-            del self._adapter_versions[name]
         self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(directory), "pinned": False})
         self._adapter_versions[name] = version
-        if previous != directory:
-            shutil.rmtree(previous, ignore_errors=True)
 
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapter_versions:
