@@ -16,15 +16,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from flows.registry import FLOWS
+
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
-FLOW_NAMES = ("sync", "async", "multi-lora")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML run config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value")
-    for name in FLOW_NAMES:
+    for name in FLOWS:
         when = parser.add_mutually_exclusive_group()
         when.add_argument(f"--{name}-interval", type=float, metavar="SECONDS", help=f"schedule rl-{name} every SECONDS")
         when.add_argument(f"--{name}-cron", metavar="EXPR", help=f"schedule rl-{name} by a cron expression")
@@ -46,16 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_prefect()
     from prefect import serve
 
-    from flows.async_rl import async_rl
-    from flows.multi_lora import multi_lora
-    from flows.sync_rl import sync_rl
-
     deployments = []
-    for name, rl_flow in zip(FLOW_NAMES, (sync_rl, async_rl, multi_lora)):
+    for name, rl_flow in FLOWS.items():
         config = base.model_copy(update={"run_dir": f"{base.run_dir}-{name}"})
         option = name.replace("-", "_")
         deployments.append(
-            rl_flow.to_deployment(
+            rl_flow.load().to_deployment(
                 name="tiny",
                 parameters={"config": config.model_dump(mode="json")},
                 interval=getattr(args, f"{option}_interval"),

@@ -11,7 +11,7 @@
 
 Rollout i+1 comes from weights one version behind the trainer; the loss corrects with truncated importance
 sampling (algo.use_tis) or the engine's log-probs as the old policy (algo.use_rollout_logprobs), and
-rollout.max_weight_staleness bounds how stale a group may be.
+rollout.max_weight_staleness bounds how stale a group may be. The last rollout has no next one to generate.
 """
 
 from __future__ import annotations
@@ -19,31 +19,30 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.report import RunReport
+from flows.runtime import RL_FLOW_OPTIONS
 from miles.config import RunConfig
 from miles.run import RLRun, check_off_policy_correction
-from tasks import generate, get, save_checkpoint, sync_weights, train_step
+from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_step
 
 
-@flow(name="rl-async")
+@flow(name="rl-async", **RL_FLOW_OPTIONS)
 def async_rl(config: RunConfig) -> dict:
     check_off_policy_correction(config)
-    with RLRun(config) as run, RunReport(run, "rl-async") as report:
+    with RLRun(config) as run:
+        report = RunReport(run, "rl-async")
         rollout_ids = run.rollout_ids()
-        next_rollout = generate.submit(run, rollout_ids[0]) if rollout_ids else None
-        report.task_runs += bool(rollout_ids)
+        next_rollout = generate.submit(run, rollout_ids.start) if rollout_ids else None
         for rollout_id in rollout_ids:
             table = get(run, rollout_id, wait_for=[next_rollout])
-            next_rollout = generate.submit(run, rollout_id + 1) if rollout_id + 1 < rollout_ids.stop else None
+            next_rollout = generate.submit(run, rollout_id + 1) if rollout_id + 1 in rollout_ids else None
             train_step(run, rollout_id, table)
-            report.task_runs += 2 + (next_rollout is not None)
             if run.should_sync(rollout_id):
                 sync_weights(run, rollout_id, wait_for=[next_rollout] if next_rollout else None)
-                report.task_runs += 1
             if run.should_save(rollout_id):
                 save_checkpoint(run, rollout_id)
-                report.task_runs += 1
             report.iteration_done(rollout_id)
-        report.finish()
+        if rollout_ids:
+            report.finish(evaluate(run, rollout_ids[-1]))
     return report.summary()
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-FLOWS = ("sync", "async", "multi-lora")
+from flows.registry import FLOWS
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles", description="RL post-training as Prefect flows.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run an RL flow")
-    run.add_argument("flow", choices=FLOWS, help="which flow graph")
+    run.add_argument("flow", choices=list(FLOWS), help="which flow graph")
     run.add_argument("--config", help="YAML config file (default: the embedded tiny model on addition)")
     run.add_argument("--run-dir", help="run directory (an existing one resumes)")
     run.add_argument("--num-rollout", type=int, help="total rollouts of the run")
@@ -24,18 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from miles.config import ConfigError, load_config
 
+    rl_flow = FLOWS[args.flow]
     try:
         config = load_config(args.config, args.overrides, run_dir=args.run_dir, num_rollout=args.num_rollout)
-        from miles.run import check_inputs, check_off_policy_correction
-
-        if args.flow == "multi-lora":
-            from miles.multi_lora import check_adapter_inputs
-
-            check_adapter_inputs(config)
-        else:
-            check_inputs(config)
-        if args.flow == "async":
-            check_off_policy_correction(config)
+        rl_flow.check(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -43,14 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from flows.runtime import configure_prefect
 
     configure_prefect()
-    if args.flow == "async":
-        from flows.async_rl import async_rl as rl_flow
-    elif args.flow == "multi-lora":
-        from flows.multi_lora import multi_lora as rl_flow
-    else:
-        from flows.sync_rl import sync_rl as rl_flow
-
-    state = rl_flow(config, return_state=True)
+    state = rl_flow.load()(config, return_state=True)
     if not state.is_completed():
         print(f"flow run ended {state.name}: {state.message}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""The multi-LoRA flow: N LoRA adapters on one frozen base, one branch per adapter, the branches concurrent.
+"""The multi-LoRA flow: N LoRA adapters on one frozen base, the adapters trained concurrently.
 
     for each adapter, concurrently (Prefect futures):
         for rollout_id in its start .. num_steps - 1:
@@ -7,66 +7,68 @@
             train_step(adapter, rollout_id, table)   # this adapter's optimizer only
             push_adapter(adapter, rollout_id)        # only this adapter changes on the engines
             save_checkpoint(adapter, rollout_id)     # every save_interval and at its end: a PEFT directory
-        retire_adapter(adapter)                      # saved, unloaded; the other adapters go on
-        evaluate(adapter)                            # greedy accuracy of the base vs base + adapter on its task
+        retire_adapter(adapter)                      # after its last step: unloaded; the other adapters go on
+    for each adapter:
+        evaluate(adapter, its last rollout_id)       # greedy accuracy of the base vs base + adapter on its task
 
-The flow ends when every adapter has retired. Each adapter has its own directory, progress, metrics table
-and summary in the UI; a run dir that holds adapter checkpoints resumes each adapter after its latest one.
+An adapter's final rollout retires it instead of pushing it. Each adapter has its own directory, progress,
+metrics table and summary in the UI; a run dir that holds adapter checkpoints resumes each adapter after its
+latest one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
 
 from prefect import flow
 from prefect.futures import PrefectFuture, as_completed
 
 from flows.report import RunReport
-from flows.runtime import wait_for_task_history
+from flows.runtime import RL_FLOW_OPTIONS
 from miles.config import RunConfig
 from miles.multi_lora import AdapterRun, MultiLoRARun
-from tasks import generate, get, push_adapter, retire_adapter, save_checkpoint, train_step
+from tasks import evaluate, generate, get, push_adapter, retire_adapter, save_checkpoint, train_step
 
 
-def submit_iteration(branch: AdapterRun, rollout_id: int) -> tuple[PrefectFuture, int]:
-    """Submit one rollout of one adapter as a chain of futures; returns the chain's last future and its length."""
-    generated = generate.submit(branch, rollout_id)
-    table = get.submit(branch, rollout_id, wait_for=[generated])
-    last = train_step.submit(branch, rollout_id, table)
-    chain = [generated, table, last]
-    if not branch.is_last(rollout_id):
-        chain.append(last := push_adapter.submit(branch, rollout_id, wait_for=[last]))
-    if branch.should_save(rollout_id):
-        chain.append(last := save_checkpoint.submit(branch, rollout_id, wait_for=[last]))
-    if branch.is_last(rollout_id):
-        chain.append(last := retire_adapter.submit(branch, wait_for=[last]))
-    return last, len(chain)
-
-
-@flow(name="rl-multi-lora")
+@flow(name="rl-multi-lora", **RL_FLOW_OPTIONS)
 def multi_lora(config: RunConfig) -> dict:
     with MultiLoRARun(config) as run:
-        reports = {b.name: RunReport(b, f"rl-multi-lora-{b.name}") for b in run.active()}
-        try:
-            in_flight: dict[PrefectFuture, tuple[AdapterRun, int]] = {}
-
-            def submit(branch: AdapterRun, rollout_id: int) -> None:
-                future, task_runs = submit_iteration(branch, rollout_id)
-                reports[branch.name].task_runs += task_runs
-                in_flight[future] = (branch, rollout_id)
-
-            for branch in run.active():
-                submit(branch, branch.rollout_ids()[0])
-            while in_flight:
-                future = next(as_completed(list(in_flight)))
-                branch, rollout_id = in_flight.pop(future)
-                future.result()  # a branch that failed past its retries fails the flow run
-                reports[branch.name].iteration_done(rollout_id)
-                if rollout_id + 1 < branch.rollout_ids().stop:
-                    submit(branch, rollout_id + 1)
-                else:
-                    reports[branch.name].finish()
-        finally:
-            wait_for_task_history(sum(r.task_runs for r in reports.values()))
+        adapters = run.active()
+        reports = {adapter.name: RunReport(adapter, f"rl-multi-lora-{adapter.name}") for adapter in adapters}
+        for adapter, rollout_id in concurrently(adapters, submit_iteration):
+            reports[adapter.name].iteration_done(rollout_id)
+        for adapter in adapters:
+            reports[adapter.name].finish(evaluate(adapter, adapter.rollout_ids()[-1]))
     return {name: report.summary() for name, report in reports.items()}
+
+
+def submit_iteration(adapter: AdapterRun, rollout_id: int) -> PrefectFuture:
+    """One rollout of one adapter as a chain of futures; returns the chain's last future."""
+    generated = generate.submit(adapter, rollout_id)
+    table = get.submit(adapter, rollout_id, wait_for=[generated])
+    last = train_step.submit(adapter, rollout_id, table)
+    if not adapter.is_last(rollout_id):
+        last = push_adapter.submit(adapter, rollout_id, wait_for=[last])
+    if adapter.should_save(rollout_id):
+        last = save_checkpoint.submit(adapter, rollout_id, wait_for=[last])
+    if adapter.is_last(rollout_id):
+        last = retire_adapter.submit(adapter, wait_for=[last])
+    return last
+
+
+def concurrently(
+    adapters: list[AdapterRun], submit: Callable[[AdapterRun, int], PrefectFuture]
+) -> Iterator[tuple[AdapterRun, int]]:
+    """Each adapter's rollouts in order, the adapters side by side: an adapter's next rollout is submitted when its
+    previous one ends. Yields (adapter, rollout_id) as each ends; a chain that failed past its retries raises."""
+    in_flight = {submit(adapter, adapter.rollout_ids().start): (adapter, adapter.rollout_ids().start) for adapter in adapters}
+    while in_flight:
+        future = next(as_completed(list(in_flight)))
+        adapter, rollout_id = in_flight.pop(future)
+        future.result()
+        yield adapter, rollout_id
+        if rollout_id + 1 in adapter.rollout_ids():
+            in_flight[submit(adapter, rollout_id + 1)] = (adapter, rollout_id + 1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where Prefect keeps its state for a run, and draining the task history before an ephemeral API exits.
+"""Where Prefect keeps its state for a run, and what every RL flow shares.
 
 `configure_prefect` must run before the first `import prefect`: Prefect reads these settings at import.
 """
@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 
@@ -20,21 +19,13 @@ def configure_prefect(project_dir: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
 
-def wait_for_task_history(expected: int, timeout_s: float = 60.0) -> int:
-    """Block until the API has stored `expected` finished task runs of the current flow run.
+def drain_task_history(flow, flow_run, state) -> None:
+    """On the flow run's final state: wait until the API holds its whole task history (also after a failure:
+    the failed run's history is what people read)."""
+    from tasks.history import wait_for_task_history
 
-    Task-run states reach the API as events that the server stores asynchronously; an ephemeral API dies with
-    the process, so without this wait the UI would later show only part of the run.
-    """
-    from prefect import runtime
-    from prefect.client.orchestration import get_client
+    wait_for_task_history(flow_run.id)
 
-    finished = {"task_runs": {"state": {"type": {"any_": ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]}}},
-                "flow_runs": {"id": {"any_": [str(runtime.flow_run.id)]}}}
-    deadline = time.monotonic() + timeout_s
-    with get_client(sync_client=True) as client:
-        while True:
-            seen = int(client.request("POST", "/task_runs/count", json=finished).json())
-            if seen >= expected or time.monotonic() > deadline:
-                return seen
-            time.sleep(0.2)
+
+# `@flow(name=..., **RL_FLOW_OPTIONS)`: every RL flow leaves its whole history in the API when it ends.
+RL_FLOW_OPTIONS = {"on_completion": [drain_task_history], "on_failure": [drain_task_history], "on_crashed": [drain_task_history]}

@@ -16,33 +16,27 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.report import RunReport
+from flows.runtime import RL_FLOW_OPTIONS
 from miles.config import RunConfig
 from miles.run import RLRun
-from tasks import generate, get, save_checkpoint, sync_weights, train_step
+from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_step
 
 
-def sync_iteration(run: RLRun, rollout_id: int) -> int:
-    """One rollout through the task chain; returns the number of task runs it made."""
-    generate(run, rollout_id)
-    table = get(run, rollout_id)
-    train_step(run, rollout_id, table)
-    task_runs = 3
-    if run.should_sync(rollout_id):
-        sync_weights(run, rollout_id)
-        task_runs += 1
-    if run.should_save(rollout_id):
-        save_checkpoint(run, rollout_id)
-        task_runs += 1
-    return task_runs
-
-
-@flow(name="rl-sync")
+@flow(name="rl-sync", **RL_FLOW_OPTIONS)
 def sync_rl(config: RunConfig) -> dict:
-    with RLRun(config) as run, RunReport(run, "rl-sync") as report:
+    with RLRun(config) as run:
+        report = RunReport(run, "rl-sync")
         for rollout_id in run.rollout_ids():
-            report.task_runs += sync_iteration(run, rollout_id)
+            generate(run, rollout_id)
+            table = get(run, rollout_id)
+            train_step(run, rollout_id, table)
+            if run.should_sync(rollout_id):
+                sync_weights(run, rollout_id)
+            if run.should_save(rollout_id):
+                save_checkpoint(run, rollout_id)
             report.iteration_done(rollout_id)
-        report.finish()
+        if run.rollout_ids():
+            report.finish(evaluate(run, run.rollout_ids()[-1]))
     return report.summary()
 
 

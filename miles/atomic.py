@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 
 @contextmanager
@@ -23,3 +24,8 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    with atomic_file(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)

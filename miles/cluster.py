@@ -46,11 +46,12 @@ class ActorLost(RuntimeError):
 
 
 class RestartableActor:
-    """A Ray actor that is started again after it dies, rebuilt from the run directory by `start()`.
+    """A proxy for a Ray actor that is started again after it dies, rebuilt from the run directory by `start()`.
 
-    The call that meets the death raises ActorLost (the task's retry repeats the work); the next call first runs
-    `start()`, which returns a new handle with the state rebuilt (e.g. the latest checkpoint plus the ledger).
-    Thread-safe: concurrent callers that meet one death trigger one restart.
+    `proxy.method(*args)` calls the actor's method and returns its result. The call that meets the actor's death
+    raises ActorLost (the task's retry repeats the work); the next call first runs `start()`, which returns a new
+    handle with the state rebuilt (e.g. the latest checkpoint plus the ledger). Thread-safe: concurrent callers that
+    meet one death trigger one restart.
     """
 
     def __init__(self, name: str, start: Callable[[], ray.actor.ActorHandle]):
@@ -60,26 +61,33 @@ class RestartableActor:
         self._lost = False
         self.handle = start()
 
-    def call(self, method: str, *args: Any) -> Any:
-        handle = self._live()
-        try:
-            return ray.get(getattr(handle, method).remote(*args))
-        except ray.exceptions.RayActorError as exc:
-            self._mark_lost(handle)
-            raise self._lost_error(method, exc) from exc
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):  # copy, pickle and friends probe for dunders: not actor methods
+            raise AttributeError(method)
 
-    def hand_over(self, method: str, *args: Any, to: Callable[[ray.ObjectRef], Any]) -> Any:
-        """`to(ref)` with `ref` the pending result of `method`, for another actor to consume without a copy here. If
-        that fails with an actor error and this actor is the one that died, raise ActorLost."""
+        def call(*args: Any) -> Any:
+            handle = self._live()
+            try:
+                return ray.get(getattr(handle, method).remote(*args))
+            except ray.exceptions.RayActorError as exc:
+                self._mark_lost(handle)
+                raise self._lost_error(method, exc) from exc
+
+        return call
+
+    def hand_over(self, method: Callable, *args: Any, to: Callable[[ray.ObjectRef], Any]) -> Any:
+        """`to(ref)` with `ref` the pending result of the actor's `method` (e.g. `TrainActor.weights`), for another
+        actor to consume without a copy here. If that fails with an actor error and this actor is the one that died,
+        raise ActorLost."""
         handle = self._live()
         try:
-            return to(getattr(handle, method).remote(*args))
+            return to(getattr(handle, method.__name__).remote(*args))
         except ray.exceptions.RayActorError as exc:
             try:
                 ray.get(handle.__ray_ready__.remote(), timeout=HEALTH_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self._mark_lost(handle)
-                raise self._lost_error(method, exc) from exc
+                raise self._lost_error(method.__name__, exc) from exc
             raise
 
     def _lost_error(self, method: str, exc: BaseException) -> ActorLost:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from miles.run_dir import RunDir
+from miles.seeds import adapter_run_seed
 
 
 class _Section(BaseModel):
@@ -213,8 +215,8 @@ class RunConfig(_Section):
         global_batch = adapter.global_batch_size or samples
         data = self.model_dump()
         data.update(
-            run_dir=str(Path(self.run_dir) / "adapters" / adapter.name),
-            seed=(self.seed * 1_000_003 + zlib.crc32(adapter.name.encode())) % 2**31,
+            run_dir=str(RunDir(self.run_dir).adapter(adapter.name).path),
+            seed=adapter_run_seed(self.seed, adapter.name),
             num_rollout=adapter.num_steps,
             data=adapter.data.model_dump(),
             adapters=[],

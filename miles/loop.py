@@ -28,24 +28,24 @@ def run_sync(config: RunConfig) -> list[dict[str, Any]]:
         return records
 
 
-def adapter_iteration(branch: AdapterRun, rollout_id: int) -> None:
+def adapter_iteration(adapter: AdapterRun, rollout_id: int) -> None:
     """One rollout of one adapter; its last rollout retires it instead of pushing it."""
-    branch.generate(rollout_id)
-    table = branch.get(rollout_id)
-    branch.train(rollout_id, table)
-    if not branch.is_last(rollout_id):
-        branch.push_adapter(rollout_id)
-    if branch.should_save(rollout_id):
-        branch.save_checkpoint(rollout_id)
-    if branch.is_last(rollout_id):
-        branch.retire()
+    adapter.generate(rollout_id)
+    table = adapter.get(rollout_id)
+    adapter.train(rollout_id, table)
+    if not adapter.is_last(rollout_id):
+        adapter.push_adapter(rollout_id)
+    if adapter.should_save(rollout_id):
+        adapter.save_checkpoint(rollout_id)
+    if adapter.is_last(rollout_id):
+        adapter.retire()
 
 
 def run_multi_lora(config: RunConfig) -> dict[str, list[dict[str, Any]]]:
     """The adapters take turns, one rollout each, until every adapter has trained its rollouts."""
     with MultiLoRARun(config) as run:
         records: dict[str, list[dict[str, Any]]] = {name: [] for name in run.adapters}
-        pending = {branch.name: list(branch.rollout_ids()) for branch in run.active()}
+        pending = {adapter.name: list(adapter.rollout_ids()) for adapter in run.active()}
         while any(pending.values()):
             for name, rollout_ids in pending.items():
                 if rollout_ids:

@@ -1,6 +1,6 @@
 """Multi-LoRA RL: several LoRA adapters trained at once on one frozen base model, one engine set, one trainer.
 
-Each adapter is a PolicyRun of its own in <run_dir>/adapters/<name>/ (rollouts, ledger, checkpoints with a
+Each adapter is an AdapterRun with a run directory of its own, <run_dir>/adapters/<name>/ (rollouts, ledger, checkpoints with a
 PEFT directory, metrics.jsonl), with its own data, reward, optimizer, learning rate and step budget. Its
 iteration is generate -> get -> train -> push_adapter; the engines batch concurrent adapters' requests
 together, and a push replaces only that adapter. An adapter that reaches its `num_steps` is saved and
@@ -10,21 +10,24 @@ retired (unloaded from the engines and the trainer) while the others go on.
 from __future__ import annotations
 
 import logging
-import time
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import ray
 from transformers import AutoTokenizer
 
-from miles.checkpoint import ADAPTER_DIR, RunLock, checkpoint_dir, latest_checkpoint
+from miles.checkpoint import ADAPTER_DIR
 from miles.cluster import RestartableActor, actor_options, ensure_ray
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
 from miles.evaluate import evaluate_checkpoint
+from miles.iterations import Iterations, PolicyInputs
 from miles.progress import AdapterReporter, ProgressLine
-from miles.rewards import RewardFn
+from miles.resume import ResumePlan
 from miles.rollout.inference_controller import InferenceController
-from miles.run import PolicyRun, check_context, check_inputs, initial_model, write_run_record
+from miles.run import check_context, check_inputs, initial_model
+from miles.run_dir import RunDir
 from miles.train.lora import LoRATrainActor
 
 log = logging.getLogger(__name__)
@@ -39,57 +42,85 @@ def resolve_adapters(config: RunConfig) -> list[AdapterConfig]:
     raise ConfigError("adapters: the multi-LoRA flow needs at least one adapter")
 
 
-def check_adapter_inputs(config: RunConfig) -> dict[str, tuple[RunConfig, list[dict[str, str]], RewardFn]]:
+def check_adapter_inputs(config: RunConfig) -> dict[str, PolicyInputs]:
     """Each adapter's view of the run, dataset and reward, checked before any work; errors name the adapter."""
     checked = {}
     for index, adapter in enumerate(resolve_adapters(config)):
         if config.model.path is None and adapter.data.task is None:
-            raise ConfigError(f"adapters.{index}.data.task: the embedded base model is built for built-in tasks; "
-                              f"set a task for adapter {adapter.name!r} or set model.path")
-        view = config.adapter_view(adapter)
+            raise ConfigError(
+                f"adapters.{index}.data.task: the embedded base model is built for built-in tasks; "
+                f"set a task for adapter {adapter.name!r} or set model.path"
+            )
         try:
-            rows, reward_fn = check_inputs(view)
+            checked[adapter.name] = check_inputs(config.adapter_view(adapter))
         except ConfigError as exc:
             raise ConfigError(f"adapters.{index} ({adapter.name}): {exc}") from None
-        checked[adapter.name] = (view, rows, reward_fn)
     return checked
 
 
-class AdapterRun(PolicyRun):
-    """One adapter's branch of the multi-LoRA run; the same calls as RLRun, with push_adapter for sync_weights."""
+class AdapterRun:
+    """One adapter of the multi-LoRA run: the same calls as RLRun, with push_adapter for sync_weights and retire
+    after its last rollout. It shares the engines and the LoRA trainer with the other adapters."""
 
-    def __init__(self, adapter: AdapterConfig, view: RunConfig, base: MultiLoRARun, rows, reward_fn: RewardFn):
+    def __init__(
+        self,
+        adapter: AdapterConfig,
+        inputs: PolicyInputs,
+        *,
+        controller: InferenceController,
+        trainer: RestartableActor,
+        tokenizer,
+        initial_model: Path,
+        progress: ProgressLine,
+    ):
         self.adapter = adapter
         self.name = adapter.name
         self.label = f"{adapter.name}, "
-        self.base = base
-        self.controller = base.controller
-        self.initial_model = base.initial_model
+        self.config = inputs.config
+        self.run_dir = RunDir(self.config.run_dir)
+        self.controller = controller
+        self.trainer = trainer
+        self.initial_model = initial_model
         self.retired = False
-        self._resume(view)
-        self._start_rollouts(base.controller, base.tokenizer, rows, reward_fn, adapter=adapter.name)
-        self.reporter = AdapterReporter(base.progress, adapter.name, view.num_rollout)
+        self.plan = ResumePlan.read(self.run_dir, self.run_dir.rollout_store(), self.label)
+        self.iterations = Iterations(inputs, self.plan, controller, tokenizer, adapter=adapter.name)
+        self.reporter = AdapterReporter(progress, adapter.name, self.config.num_rollout)
         if self.rollout_ids():
-            self.restore_on(base.trainer.handle)
-            self._finish_replayed()
-            self.lora_config = self.base.trainer.call("adapter_config", adapter.name)
-            self._push(self.trainer_version)
+            self.restore_on(trainer.handle)
+            self.lora_config = trainer.adapter_config(adapter.name)
+            self._push(self.iterations.trainer_version)
 
     def restore_on(self, trainer: ray.actor.ActorHandle) -> None:
         """Add this adapter to `trainer` (at the start, or after a restart): its latest intact checkpoint, then the
         rollouts trained since."""
-        checkpoint = latest_checkpoint(self.run_dir)
-        replay = self._take_replay(checkpoint)
-        ray.get(trainer.add_adapter.remote(self.adapter, self.config, str(checkpoint) if checkpoint else None))
-        self._replay(lambda rollout_id, table: ray.get(trainer.train.remote(self.name, rollout_id, table)), replay)
 
-    def _train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
-        return self.base.trainer.call("train", self.name, rollout_id, table)
+        def start(checkpoint: Path | None) -> ray.actor.ActorHandle:
+            ray.get(trainer.add_adapter.remote(self.adapter, self.config, str(checkpoint) if checkpoint else None))
+            return trainer
+
+        def train(trainer: ray.actor.ActorHandle, rollout_id: int, table: pa.Table) -> None:
+            ray.get(trainer.train.remote(self.name, rollout_id, table))
+
+        self.iterations.restore(start, train)
 
     def _push(self, version: int) -> None:
-        self.base.trainer.hand_over(
-            "adapter_weights", self.name, to=lambda weights: self.controller.load_adapter(self.name, weights, self.lora_config, version)
+        self.trainer.hand_over(
+            LoRATrainActor.adapter_weights,
+            self.name,
+            to=lambda weights: self.controller.load_adapter(self.name, weights, self.lora_config, version),
         )
+
+    def rollout_ids(self) -> range:
+        return self.iterations.rollout_ids()
+
+    def generate(self, rollout_id: int) -> dict[str, Any]:
+        return self.iterations.generate(rollout_id)
+
+    def get(self, rollout_id: int) -> pa.Table:
+        return self.iterations.get(rollout_id)
+
+    def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
+        return self.iterations.train(rollout_id, lambda: self.trainer.train(self.name, rollout_id, table))
 
     def is_last(self, rollout_id: int) -> bool:
         """The adapter's final rollout: after it the adapter retires instead of being pushed."""
@@ -97,27 +128,35 @@ class AdapterRun(PolicyRun):
 
     def push_adapter(self, rollout_id: int) -> int:
         """Load the adapter trained on `rollout_id` into every engine as version rollout_id + 1; others untouched."""
-        started = time.perf_counter()
         version = rollout_id + 1
-        self._push(version)
-        self._timed(rollout_id, "sync", started)
+        with self.iterations.timed(rollout_id, "sync"):
+            self._push(version)
         return version
 
+    def should_save(self, rollout_id: int) -> bool:
+        return self.iterations.should_save(rollout_id)
+
     def save_checkpoint(self, rollout_id: int) -> str:
-        return self.base.trainer.call("save_checkpoint", self.name, rollout_id, self._checkpoint_state(rollout_id))
+        return self.trainer.save_checkpoint(self.name, rollout_id, self.iterations.checkpoint_state(rollout_id))
 
     def retire(self) -> None:
         """Free the adapter's slot in the engines and the trainer (its final checkpoint is already saved)."""
         self.controller.unload_adapter(self.name)
-        self.base.trainer.call("remove_adapter", self.name)
+        self.trainer.remove_adapter(self.name)
         self.retired = True
+
+    def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
+        """Append the iteration's record to the adapter's metrics.jsonl (once per rollout_id) and show it."""
+        record = self.iterations.finish_iteration(rollout_id)
+        self.reporter.update_record(record)
+        return record
 
     def evaluate(self, rollout_id: int, prompts: int = 200) -> dict[str, float]:
         """Greedy accuracy (transformers + peft) of the base model and of the base with checkpoint `rollout_id`."""
         task = self.config.data.task
         if task is None:
             return {}
-        adapter_dir = checkpoint_dir(self.run_dir, rollout_id) / ADAPTER_DIR
+        adapter_dir = self.run_dir.checkpoint(rollout_id) / ADAPTER_DIR
         return {
             "greedy_accuracy_initial": evaluate_checkpoint(self.initial_model, task, prompts),
             "greedy_accuracy_final": evaluate_checkpoint(self.initial_model, task, prompts, adapter_dir=adapter_dir),
@@ -129,46 +168,53 @@ class MultiLoRARun:
 
     def __init__(self, config: RunConfig):
         checked = check_adapter_inputs(config)
-        config = config.model_copy(update={"adapters": resolve_adapters(config)})
-        self.config = config
-        self.run_dir = Path(config.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = RunLock(self.run_dir)
-        self.trainer = self.controller = self.progress = None
-        try:
+        self.config = config = config.model_copy(update={"adapters": resolve_adapters(config)})
+        self.run_dir = RunDir(config.run_dir).create()
+        self.adapters: dict[str, AdapterRun] = {}
+        with ExitStack() as started:  # an error on the way releases what was taken so far
+            started.callback(self.run_dir.lock().release)
             tasks = sorted({a.data.task for a in config.adapters if a.data.task is not None})
             self.initial_model = initial_model(self.run_dir, config, tasks)
-            self.tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
-            for index, (name, (view, rows, _)) in enumerate(checked.items()):
-                try:
-                    check_context(view, rows, self.tokenizer, self.initial_model)
-                except ConfigError as exc:
-                    raise ConfigError(f"adapters.{index} ({name}): {exc}") from None
+            tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
+            self._check_contexts(checked, tokenizer)
             ensure_ray(config.ray_address, actors=config.ray_actors)
-            self.adapters: dict[str, AdapterRun] = {}
-            self.trainer = RestartableActor("LoRA trainer", self._start_trainer)
+            self.trainer = RestartableActor("LoRA trainer", self._restored_trainer)
+            started.callback(self.trainer.kill)
             self.controller = InferenceController(str(self.initial_model), 0, config.rollout, config.adapters)
-            total = sum(a.num_steps for a in config.adapters)
-            self.progress = ProgressLine("multi-LoRA", total, echo_updates=False)
+            started.callback(self.controller.shutdown)
+            progress = ProgressLine("multi-LoRA", sum(a.num_steps for a in config.adapters), echo_updates=False)
+            started.callback(progress.close)
             for adapter in config.adapters:
-                view, rows, reward_fn = checked[adapter.name]
-                self.adapters[adapter.name] = AdapterRun(adapter, view, self, rows, reward_fn)
-            self.progress.update(sum(a.start_rollout_id for a in self.adapters.values()))
-            write_run_record(self.run_dir, config, self.initial_model,
-                             {"rollout_id": {name: a.start_rollout_id for name, a in self.adapters.items()},
-                              "replayed": {name: a.replayed_at_start for name, a in self.adapters.items()}})
-        except BaseException:
-            self.close()
-            raise
+                self.adapters[adapter.name] = AdapterRun(
+                    adapter, checked[adapter.name], controller=self.controller, trainer=self.trainer,
+                    tokenizer=tokenizer, initial_model=self.initial_model, progress=progress,
+                )
+            progress.update(sum(a.plan.first_rollout_id for a in self.adapters.values()))
+            self._record_start()
+            self._resources = started.pop_all()
 
-    def _start_trainer(self) -> ray.actor.ActorHandle:
+    def _check_contexts(self, checked: dict[str, PolicyInputs], tokenizer) -> None:
+        for index, (name, inputs) in enumerate(checked.items()):
+            try:
+                check_context(inputs, tokenizer, self.initial_model)
+            except ConfigError as exc:
+                raise ConfigError(f"adapters.{index} ({name}): {exc}") from None
+
+    def _record_start(self) -> None:
+        start = {
+            "rollout_id": {name: a.plan.first_rollout_id for name, a in self.adapters.items()},
+            "replayed": {name: list(a.plan.replay) for name, a in self.adapters.items()},
+        }
+        self.run_dir.record_start(self.config.model_dump(mode="json"), self.initial_model, start)
+
+    def _restored_trainer(self) -> ray.actor.ActorHandle:
         """A LoRA trainer holding every adapter still training, each restored from its checkpoint and ledger."""
         trainer = ray.remote(LoRATrainActor).options(**actor_options(self.config.train.device)).remote(
             self.config, str(self.initial_model), self.config.train.device
         )
-        for branch in self.adapters.values():
-            if branch.rollout_ids() and not branch.retired:
-                branch.restore_on(trainer)
+        for adapter in self.adapters.values():
+            if adapter.rollout_ids() and not adapter.retired:
+                adapter.restore_on(trainer)
         return trainer
 
     def active(self) -> list[AdapterRun]:
@@ -176,15 +222,9 @@ class MultiLoRARun:
         return [a for a in self.adapters.values() if a.rollout_ids()]
 
     def close(self) -> None:
-        if self.progress is not None:
-            self.progress.close()
-        if self.controller is not None:
-            self.controller.shutdown()
-        if self.trainer is not None:
-            self.trainer.kill()
-        self.lock.release()
+        self._resources.close()
 
-    def __enter__(self) -> "MultiLoRARun":
+    def __enter__(self) -> MultiLoRARun:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,17 +1,12 @@
 import pyarrow as pa
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
-from miles.run import PolicyRun
-from tasks.policy import retry_policy
+from miles.multi_lora import AdapterRun
+from miles.run import RLRun
+from tasks.options import task_options
 
 
-@task(
-    name="train_step",
-    task_run_name="train_step[{run.label}rollout={rollout_id}]",
-    **retry_policy(2),
-    cache_policy=NO_CACHE,
-)
-def train_step(run: PolicyRun, rollout_id: int, table: pa.Table) -> dict:
+@task(name="train_step", task_run_name="train_step[{run.label}rollout={rollout_id}]", **task_options(retries=2))
+def train_step(run: RLRun | AdapterRun, rollout_id: int, table: pa.Table) -> dict:
     """Optimizer steps on the rollout; a rollout already in the ledger returns its recorded metrics."""
     return run.train(rollout_id, table)

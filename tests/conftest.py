@@ -1,4 +1,6 @@
-"""Shared fixtures: one tiny model, one Ray and one Prefect test API per session (each start costs seconds)."""
+"""Shared fixtures: one tiny model, one Ray and one Prefect test API per session (each start costs seconds).
+
+Plain helpers (configs, weights, faults) live in tests.helpers."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import RECOVERY_RUN, final_weights, small_config_for
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -79,46 +83,12 @@ def prefect_api(tmp_path_factory):
         yield
 
 
-def small_overrides(model_dir: Path) -> list[str]:
-    """Config overrides that make an iteration take well under a second on the tiny model."""
-    return [
-        f"model.path={model_dir}",
-        "rollout.rollout_batch_size=8",
-        "rollout.n_samples_per_prompt=4",
-        "rollout.num_threads=1",
-        "train.global_batch_size=16",
-        "train.micro_batch_size=8",
-        "train.num_threads=1",
-        "train.lr=1e-3",
-        # Partial credit, so that the barely warmed-up model's groups have reward variance to learn from.
-        "data.reward=digit_match",
-    ]
-
-
-def small_config_for(model_dir: Path, run_dir: Path, *overrides: str, **fields):
-    from miles.config import load_config
-
-    fields.setdefault("num_rollout", 2)
-    return load_config(None, small_overrides(model_dir) + list(overrides), run_dir=str(run_dir), **fields)
-
-
 @pytest.fixture
 def small_config(tmp_path, tiny_model_dir):
     def make(*overrides: str, **fields):
         return small_config_for(tiny_model_dir, fields.pop("run_dir", tmp_path / "run"), *overrides, **fields)
 
     return make
-
-
-SGLANG_STAND_IN = "tests.miles.engines.sglang_server"  # launched in place of sglang.launch_server
-
-
-def sglang_overrides() -> list[str]:
-    """The SGLang engine, served by the stand-in server (SGLang itself needs a GPU)."""
-    return ["rollout.engine=sglang", f"rollout.sglang.server_module={SGLANG_STAND_IN}", "rollout.sglang.health_timeout_s=5"]
-
-
-RECOVERY_RUN = dict(num_rollout=5, save_interval=2)  # checkpoints after rollouts 1, 3 and 4
 
 
 @pytest.fixture(scope="session")
@@ -129,27 +99,3 @@ def uninterrupted_weights(ray_session, tiny_model_dir, tmp_path_factory):
     config = small_config_for(tiny_model_dir, tmp_path_factory.mktemp("uninterrupted") / "run", **RECOVERY_RUN)
     run_sync(config)
     return final_weights(config.run_dir, RECOVERY_RUN["num_rollout"] - 1)
-
-
-def perturbed_weights(model_dir, seed: int, scale: float) -> dict:
-    """The model's state dict with noise added to each parameter; tied parameters stay tied, as a trainer's are."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():  # a tied parameter is listed once
-            parameter.add_(scale * torch.randn(parameter.shape, generator=gen))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def final_weights(run_dir, rollout_id: int) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(run_dir) / "checkpoints" / str(rollout_id) / "model" / "model.safetensors"))
-
-
-def max_abs_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)

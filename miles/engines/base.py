@@ -42,6 +42,13 @@ class GenerateResult:
     weight_version: int
 
 
+def check_adapters_loaded(requests: list[GenerateRequest], loaded) -> None:
+    """Refuse requests that name an adapter not in `loaded`, before any of the batch runs."""
+    unknown = sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in loaded})
+    if unknown:
+        raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(loaded)}")
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from miles.config import SGLangConfig
-from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult
+from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult, check_adapters_loaded
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +125,7 @@ class SGLangEngine:
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         if not requests:
             return []
-        unknown = sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in self._adapter_versions})
-        if unknown:
-            raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(self._adapter_versions)}")
+        check_adapters_loaded(requests, self._adapter_versions)
         body = {
             "input_ids": [r.prompt_ids for r in requests],
             "sampling_params": [_sampling_params(r) for r in requests],

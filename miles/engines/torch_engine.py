@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from miles.engines.base import GenerateRequest, GenerateResult
+from miles.engines.base import GenerateRequest, GenerateResult, check_adapters_loaded
 from miles.train.lora import is_adapter_key
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
@@ -74,13 +74,10 @@ class TorchEngine:
         self._weight_version = version
 
     def _adapter_kwargs(self, requests: list[GenerateRequest]) -> dict:
-        names = [r.adapter for r in requests]
-        unknown = sorted({n for n in names if n is not None and n not in self._adapter_versions})
-        if unknown:
-            raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(self._adapter_versions)}")
+        check_adapters_loaded(requests, self._adapter_versions)
         if not isinstance(self.model, PeftModel):
             return {}
-        return {"adapter_names": [n or BASE_ADAPTER for n in names]}
+        return {"adapter_names": [r.adapter or BASE_ADAPTER for r in requests]}
 
     @torch.inference_mode()
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
 
 from miles.cluster import HEALTH_TIMEOUT_S, actor_options, first_line
 from miles.config import AdapterConfig, RolloutConfig
-from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult
+from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult, RolloutEngine, check_adapters_loaded
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
 
@@ -72,9 +73,7 @@ class InferenceController:
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order. The caller that gets the engines first generates every pending call."""
-        unknown = sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in self._adapters})
-        if unknown:  # refused before merging, so that a bad caller never fails the callers batched with it
-            raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(self._adapters)}")
+        check_adapters_loaded(requests, self._adapters)  # before merging: a bad caller never fails its batch-mates
         call = _Call(requests)
         with self._pending_lock:
             self._pending.append(call)
@@ -106,16 +105,21 @@ class InferenceController:
         """Contiguous shards, one per engine; per-request seeds make the result independent of the split."""
         shard = -(-len(requests) // len(self.engines))
         shards = {i: requests[i * shard : (i + 1) * shard] for i in range(len(self.engines))}
-        parts = self._on_engines("generate", {i: ("generate", part) for i, part in shards.items() if part})
+        parts = self._on_engines(RolloutEngine.generate, {i: (part,) for i, part in shards.items() if part})
         return [result for part in parts for result in part]
 
-    def _on_engines(self, what: str, calls: dict[int, tuple]) -> list:
-        """Run `engines[i].<method>(*args)` for each `i: (method, *args)` and return the results in order.
+    def _on_every_engine(self, method: Callable, *args) -> list:
+        return self._on_engines(method, dict.fromkeys(range(len(self.engines)), args))
+
+    def _on_engines(self, method: Callable, args_by_engine: dict[int, tuple]) -> list:
+        """Run `engines[i].<method>(*args)` for each `i: args` and return the results in order; `method` is the
+        RolloutEngine method (e.g. `RolloutEngine.generate`).
 
         When an engine died or gave no answer within timeout_s, the dead and hung engines are restarted and
         EngineRestarted is raised; any other error (a rejected request, a failed argument) is raised as it is.
         """
-        refs = {i: getattr(self.engines[i], method).remote(*args) for i, (method, *args) in calls.items()}
+        what = method.__name__
+        refs = {i: getattr(self.engines[i], what).remote(*args) for i, args in args_by_engine.items()}
         _, not_ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
         hung = {i for i, ref in refs.items() if ref in not_ready}
         cause = None
@@ -162,7 +166,7 @@ class InferenceController:
         if version == self._weight_version:
             return
         with self._engines_busy:
-            self._on_engines("update_weights", {i: ("update_weights", weights_ref, version) for i in range(len(self.engines))})
+            self._on_every_engine(RolloutEngine.update_weights, weights_ref, version)
             self._weights_ref, self._weight_version = weights_ref, version
 
     def load_adapter(self, name: str, tensors_ref: ray.ObjectRef, config: dict, version: int) -> None:
@@ -171,12 +175,12 @@ class InferenceController:
         if name in self._adapters and self._adapters[name][2] == version:
             return
         with self._engines_busy:
-            self._on_engines("load_adapter", {i: ("load_adapter", name, tensors_ref, config, version) for i in range(len(self.engines))})
+            self._on_every_engine(RolloutEngine.load_adapter, name, tensors_ref, config, version)
             self._adapters[name] = (tensors_ref, config, version)
 
     def unload_adapter(self, name: str) -> None:
         with self._engines_busy:
-            self._on_engines("unload_adapter", {i: ("unload_adapter", name) for i in range(len(self.engines))})
+            self._on_every_engine(RolloutEngine.unload_adapter, name)
             self._adapters.pop(name, None)
 
     def shutdown(self) -> None:

@@ -17,6 +17,7 @@ from miles.rewards import RewardFn
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.schema import ROLLOUT_SCHEMA, rollout_metadata, samples_table, with_rollout_metadata
 from miles.rollout.store import RolloutStore
+from miles.seeds import rollout_seed
 from miles.train.advantages import grpo_advantages
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class RolloutExecutor:
         prompt_ids = self.tokenizer([r["prompt"] for r in rows])["input_ids"]
         n = cfg.n_samples_per_prompt
         first_index = rollout_id * self.config.samples_per_rollout
-        seed = _rollout_seed(self.config.seed, rollout_id)
+        seed = rollout_seed(self.config.seed, rollout_id)
         requests = [
             GenerateRequest(prompt_ids=ids, sampling=self.sampling, adapter=self.adapter, seed=seed + k * n + j)
             for k, ids in enumerate(prompt_ids)
@@ -145,11 +146,6 @@ class RolloutExecutor:
         table = table.set_column(table.schema.get_field_index("advantage"), ROLLOUT_SCHEMA.field("advantage"), pa.array(advantages))
         stats = {"staleness_mean": float(staleness.mean()), "dropped_groups": dropped_groups, "failed_samples": failed_samples}
         return table.slice(0, table.num_rows - table.num_rows % gbs), stats
-
-
-def _rollout_seed(run_seed: int, rollout_id: int) -> int:
-    # Fixed per rollout_id, so a retried generate samples the same tokens; sample k adds k.
-    return ((run_seed * 1_000_003 + rollout_id) * 1_000_033) % (2**62)
 
 
 def _clip(text: str, limit: int = 80) -> str:

@@ -1,4 +1,4 @@
-"""Arrow IPC files per rollout under <run_dir>/rollouts/, written atomically, read memory-mapped."""
+"""Arrow IPC files per rollout (rollout_<id>.arrow) in one directory, written atomically, read memory-mapped."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from miles.rollout.schema import check_schema
 
 
 class RolloutStore:
-    def __init__(self, run_dir: str | Path):
-        self.root = Path(run_dir) / "rollouts"
+    def __init__(self, root: Path):
+        self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         # A process killed while writing leaves its temp file (never a partial rollout file): clear them.
         for unfinished in self.root.glob(".rollout_*"):

@@ -11,8 +11,9 @@ import pyarrow as pa
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.checkpoint import MODEL_DIR, Ledger, optimizer_from_files, optimizer_to_files, write_checkpoint
+from miles.checkpoint import MODEL_DIR, optimizer_from_files, optimizer_to_files
 from miles.config import RunConfig
+from miles.run_dir import RunDir
 from miles.train.update import batch_logprobs, train_on_rollout
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ class TrainActor:
         torch.manual_seed(config.seed)
         self.config = config
         self.device = torch.device(device)
-        self.run_dir = Path(config.run_dir)
+        self.run_dir = RunDir(config.run_dir)
         source = Path(checkpoint) / MODEL_DIR if checkpoint else Path(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device).train()
         self.tokenizer = AutoTokenizer.from_pretrained(source)
@@ -40,7 +41,7 @@ class TrainActor:
             # The reference is the run's starting policy, not the checkpoint it resumed from.
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
             self.ref_model.requires_grad_(False)
-        self.ledger = Ledger(self.run_dir)
+        self.ledger = self.run_dir.ledger()
 
     def trained_rollouts(self) -> list[int]:
         return sorted(self.ledger.trained)
@@ -64,7 +65,7 @@ class TrainActor:
 
     def save_checkpoint(self, rollout_id: int, state: dict[str, Any]) -> str:
         """Write <run_dir>/checkpoints/<rollout_id>/: the model in HF format, the optimizer and the state."""
-        return str(write_checkpoint(self.run_dir, rollout_id, state, self._write_checkpoint_files))
+        return str(self.run_dir.write_checkpoint(rollout_id, state, self._write_checkpoint_files))
 
     def _write_checkpoint_files(self, directory: Path) -> None:
         self.model.save_pretrained(directory / MODEL_DIR)

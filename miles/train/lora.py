@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,8 +20,10 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from miles.checkpoint import ADAPTER_DIR, Ledger, optimizer_from_files, optimizer_to_files, write_checkpoint
+from miles.checkpoint import ADAPTER_DIR, optimizer_from_files, optimizer_to_files
 from miles.config import AdapterConfig, RunConfig
+from miles.run_dir import Ledger, RunDir
+from miles.seeds import adapter_init_seed
 from miles.train.update import batch_logprobs, train_on_rollout
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,6 +56,7 @@ class _Adapter:
     config: RunConfig  # the adapter's view of the run: its data, batch sizes, lr and directory
     optimizer: torch.optim.Optimizer
     params: list[torch.nn.Parameter]
+    run_dir: RunDir
     ledger: Ledger
 
 
@@ -75,7 +77,7 @@ class LoRATrainActor:
         if name in self.adapters:
             return
         lora = lora_config(adapter)
-        torch.manual_seed(zlib.crc32(f"{self.config.seed}:{name}".encode()))
+        torch.manual_seed(adapter_init_seed(self.config.seed, name))
         if isinstance(self.model, PeftModel):
             self.model.add_adapter(name, lora)
         else:
@@ -88,7 +90,8 @@ class LoRATrainActor:
         optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.adam_betas, weight_decay=train.weight_decay)
         if checkpoint:
             optimizer_from_files(optimizer, Path(checkpoint))
-        self.adapters[name] = _Adapter(view, optimizer, params, Ledger(view.run_dir))
+        run_dir = RunDir(view.run_dir)
+        self.adapters[name] = _Adapter(view, optimizer, params, run_dir, run_dir.ledger())
 
     def remove_adapter(self, name: str) -> None:
         """Drop a retired adapter's weights and optimizer state."""
@@ -125,7 +128,7 @@ class LoRATrainActor:
     def save_checkpoint(self, name: str, rollout_id: int, state: dict[str, Any]) -> str:
         """<adapter dir>/checkpoints/<rollout_id>/: `adapter/` (a PEFT directory), the optimizer and the state."""
         adapter = self.adapters[name]
-        return str(write_checkpoint(adapter.config.run_dir, rollout_id, state, partial(self._write_adapter_files, name)))
+        return str(adapter.run_dir.write_checkpoint(rollout_id, state, partial(self._write_adapter_files, name)))
 
     def _write_adapter_files(self, name: str, directory: Path) -> None:
         target = directory / ADAPTER_DIR

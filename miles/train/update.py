@@ -58,7 +58,7 @@ def train_on_rollout(
 
     sums = dict(loss=0.0, pg_loss=0.0, kl_ref=0.0, entropy=0.0, ppo_kl=0.0, clipped=0.0, tokens=0.0)
     grad_norms = []
-    for epoch in range(config.train.num_passes):
+    for pass_ in range(config.train.num_passes):
         for start in range(0, len(batch), gbs):
             step_tokens = mask_all[start : start + gbs].sum().clamp(min=1)
             optimizer.zero_grad(set_to_none=True)
@@ -70,7 +70,7 @@ def train_on_rollout(
                 logits = model(input_ids=tokens, attention_mask=mb.attention_mask.to(device)).logits
                 log_softmax = next_token_log_softmax(logits, config.rollout.temperature)
                 logp = picked_logprobs(log_softmax, tokens)
-                if epoch == 0 and start == 0:
+                if pass_ == 0 and start == 0:
                     trainer_lp[rows] = logp.detach()
                 old_lp = rollout_lp[rows] if algo.use_rollout_logprobs else trainer_lp[rows]
                 tis = tis_weights(trainer_lp[rows], rollout_lp[rows], algo.tis_clip_low, algo.tis_clip) if algo.use_tis else None

@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from miles.checkpoint import Ledger
+from miles.run_dir import RunDir
 from miles.loop import run_sync
-from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff, small_config_for, small_overrides
+from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, small_config_for, small_overrides
 from tests.e2e.test_cli import PROJECT
 
 
@@ -84,7 +84,7 @@ def test_killed_flow_process_resumes_at_the_right_rollout(ray_session, tmp_path,
             pass
         first.wait(30)
 
-    assert sorted(Ledger(run_dir).trained) == [0, 1, 2]  # killed before rollout 3 was trained
+    assert sorted(RunDir(run_dir).ledger().trained) == [0, 1, 2]  # killed before rollout 3 was trained
     assert (run_dir / "run.lock").read_text() == str(first.pid)  # a stale lock: its process is dead
     generated_at = rollout_3.stat().st_mtime_ns
 
@@ -94,7 +94,7 @@ def test_killed_flow_process_resumes_at_the_right_rollout(ray_session, tmp_path,
     assert "stale lock" in again.stdout + again.stderr
     assert "rollout 4/5" in again.stdout and "rollout 5/5" in again.stdout and "rollout 3/5" not in again.stdout
     assert rollout_3.stat().st_mtime_ns == generated_at  # generated before the kill: reused, not regenerated
-    assert sorted(Ledger(run_dir).trained) == [0, 1, 2, 3, 4]
+    assert sorted(RunDir(run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert _metrics_ids(run_dir) == [0, 1, 2, 3, 4]
     starts = json.loads((run_dir / "run.json").read_text())["starts"]
     assert [(s["rollout_id"], s["replayed"]) for s in starts] == [(0, []), (3, [2])]

@@ -8,10 +8,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter
 
 from flows.async_rl import async_rl
-from miles.checkpoint import Ledger
+from miles.run_dir import RunDir
 from miles.run import RLRun
-from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff
-from tests.faults import assert_whole_rollouts, fault_before, freeze_then_kill
+from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
+from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill
 
 
 async def _task_runs(flow_run_id):
@@ -62,14 +62,14 @@ def test_async_flow_recovers_from_a_killed_engine_and_a_killed_trainer(ray_sessi
     config = small_config(**RECOVERY_RUN)
     # generate(2) runs while the trainer steps on rollout 1; train_step(3) runs while rollout 4 is generated.
     fault_before(monkeypatch, RLRun, "generate", lambda run, i: i == 2, lambda run: freeze_then_kill(run.controller.engines[0]))
-    fault_before(monkeypatch, RLRun, "_train", lambda run, i: i == 3, lambda run: freeze_then_kill(run.trainer.handle))
+    fault_before(monkeypatch, RLRun, "train", lambda run, i: i == 3, lambda run: freeze_then_kill(run.trainer.handle))
 
     state = async_rl(config, return_state=True)
 
     assert state.is_completed(), state.message
     runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
     assert runs["generate[rollout=2]"].run_count == 2 and runs["train_step[rollout=3]"].run_count == 2
-    assert sorted(Ledger(config.run_dir).trained) == [0, 1, 2, 3, 4]
+    assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
     assert [m["weight_version"] for m in _metrics(config.run_dir)] == [m["weight_version"] for m in _metrics(reference.run_dir)]
     assert max_abs_diff(final_weights(config.run_dir, 4), final_weights(reference.run_dir, 4)) == 0.0

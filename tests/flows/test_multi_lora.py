@@ -1,4 +1,4 @@
-"""The rl-multi-lora flow on the tiny model: concurrent adapter branches, retirement, PEFT checkpoints, resume."""
+"""The rl-multi-lora flow on the tiny model: adapters trained concurrently, retirement, PEFT checkpoints, resume."""
 
 import asyncio
 import json
@@ -11,11 +11,11 @@ from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 from safetensors.torch import load_file
 
 from flows.multi_lora import multi_lora
-from miles.checkpoint import Ledger
+from miles.run_dir import RunDir
 from miles.loop import run_multi_lora
 from miles.multi_lora import AdapterRun
-from tests.conftest import max_abs_diff, sglang_overrides
-from tests.faults import assert_whole_rollouts, fault_before, freeze_then_kill
+from tests.helpers import max_abs_diff, sglang_overrides
+from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill
 
 ADAPTERS = [
     "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 3, rollout_batch_size: 4,"
@@ -63,7 +63,7 @@ def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_
         assert [(r["adapter"], r["rollout_id"]) for r in records] == [(adapter, i) for i in range(steps)]
         assert [r["weight_version"] for r in records] == list(range(steps))  # rollout i sampled by the adapter after i steps
         assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in records)
-        assert sorted(Ledger(adapter_dir).trained) == list(range(steps))
+        assert sorted(RunDir(adapter_dir).ledger().trained) == list(range(steps))
         table = pa.ipc.open_file(pa.memory_map(str(adapter_dir / "rollouts" / "rollout_0.arrow"))).read_all()
         assert table.num_rows == samples and set(table.column("adapter").to_pylist()) == {adapter}
         final = adapter_dir / "checkpoints" / str(steps - 1) / "adapter"
@@ -91,10 +91,10 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     reference = small_config(*ADAPTERS, run_dir=str(tmp_path / "uninterrupted"))
     run_multi_lora(reference)  # each adapter's samples and steps depend on its own seeds only, not on the interleaving
     config = small_config(*ADAPTERS)  # no checkpoint before an adapter's last rollout: a restore replays its ledger
-    fault_before(monkeypatch, AdapterRun, "generate", lambda branch, i: (branch.name, i) == ("sub", 1),
-                 lambda branch: freeze_then_kill(branch.controller.engines[0]))
-    fault_before(monkeypatch, AdapterRun, "_train", lambda branch, i: (branch.name, i) == ("add", 2),
-                 lambda branch: freeze_then_kill(branch.base.trainer.handle))
+    fault_before(monkeypatch, AdapterRun, "generate", lambda adapter, i: (adapter.name, i) == ("sub", 1),
+                 lambda adapter: freeze_then_kill(adapter.controller.engines[0]))
+    fault_before(monkeypatch, AdapterRun, "train", lambda adapter, i: (adapter.name, i) == ("add", 2),
+                 lambda adapter: freeze_then_kill(adapter.trainer.handle))
 
     state = multi_lora(config, return_state=True)
 
@@ -105,7 +105,7 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     assert all(r.state.is_completed() for r in task_runs)
     for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):
         adapter_dir = Path(config.run_dir) / "adapters" / adapter
-        assert sorted(Ledger(adapter_dir).trained) == list(range(steps))
+        assert sorted(RunDir(adapter_dir).ledger().trained) == list(range(steps))
         assert_whole_rollouts(adapter_dir, range(steps), samples)
         assert max_abs_diff(_adapter_weights(config.run_dir, adapter, steps - 1), _adapter_weights(reference.run_dir, adapter, steps - 1)) == 0.0
 
@@ -120,5 +120,5 @@ def test_sglang_engines_serve_the_adapters_as_the_torch_engines_do(ray_session, 
     run_multi_lora(config)
 
     for adapter, steps in (("add", 3), ("sub", 2)):
-        assert sorted(Ledger(Path(config.run_dir) / "adapters" / adapter).trained) == list(range(steps))
+        assert sorted(RunDir(config.run_dir).adapter(adapter).ledger().trained) == list(range(steps))
         assert max_abs_diff(_adapter_weights(config.run_dir, adapter, steps - 1), _adapter_weights(reference.run_dir, adapter, steps - 1)) == 0.0

@@ -11,10 +11,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 
 from flows.sync_rl import sync_rl
-from miles.checkpoint import Ledger
+from miles.run_dir import RunDir
 from miles.run import RLRun
-from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff, sglang_overrides
-from tests.faults import assert_whole_rollouts, fault_before, freeze_then_kill, sglang_server_pid
+from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, sglang_overrides
+from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill, sglang_server_pid
 
 
 async def _history(flow_run_id):
@@ -52,7 +52,7 @@ def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
     engine_killed = fault_before(monkeypatch, RLRun, "generate", lambda run, i: i == 2,
                                  lambda run: freeze_then_kill(run.controller.engines[0]))
     # Rollout 2 is trained after checkpoint 1, so the restored trainer must replay it before training rollout 3.
-    trainer_killed = fault_before(monkeypatch, RLRun, "_train", lambda run, i: i == 3,
+    trainer_killed = fault_before(monkeypatch, RLRun, "train", lambda run, i: i == 3,
                                   lambda run: freeze_then_kill(run.trainer.handle))
 
     state = sync_rl(config, return_state=True)
@@ -64,7 +64,7 @@ def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
     assert runs["generate[rollout=2]"].run_count == 2 and runs["train_step[rollout=3]"].run_count == 2
     assert all(r.state.is_completed() for r in task_runs)
     assert sum(r.run_count for r in task_runs) == len(task_runs) + 2  # no other retries
-    assert sorted(Ledger(config.run_dir).trained) == [0, 1, 2, 3, 4]
+    assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
     # fp32 on the CPU, same seeds: every rollout applied exactly once gives the uninterrupted run's weights.
     assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0
@@ -86,7 +86,7 @@ def test_the_sglang_engine_runs_the_flow_and_a_killed_server_is_replaced(
     runs = {r.name: r for r in task_runs}
     assert runs["generate[rollout=2]"].run_count == 2
     assert sum(r.run_count for r in task_runs) == len(task_runs) + 1  # no other retries
-    assert sorted(Ledger(config.run_dir).trained) == [0, 1, 2, 3, 4]
+    assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
     # The stand-in samples with the same seeded TorchEngine: the run trains exactly as the torch-engine run does.
     assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0

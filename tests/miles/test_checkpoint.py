@@ -1,4 +1,4 @@
-"""miles.checkpoint: atomic JSON, optimizer state as safetensors + JSON, checkpoint dirs and the ledger."""
+"""miles.checkpoint: optimizer state as safetensors + JSON, checkpoint dirs with checksums."""
 
 from __future__ import annotations
 
@@ -8,45 +8,8 @@ import pytest
 import torch
 
 from miles import checkpoint as ckpt
-from miles.checkpoint import (
-    Ledger,
-    checkpoint_dir,
-    checkpoint_problem,
-    latest_checkpoint,
-    optimizer_from_files,
-    optimizer_to_files,
-    read_state,
-    write_checkpoint,
-    write_json_atomic,
-)
-
-
-# ---------------------------------------------------------------- write_json_atomic
-
-
-def test_write_json_atomic_creates_parents_and_round_trips(tmp_path):
-    path = tmp_path / "a" / "b" / "state.json"
-    data = {"rollout_id": 3, "metrics": {"loss": 0.5}, "ids": [1, 2]}
-    write_json_atomic(path, data)
-    assert json.loads(path.read_text()) == data
-    assert [p.name for p in path.parent.iterdir()] == ["state.json"]
-
-
-def test_write_json_atomic_replaces(tmp_path):
-    path = tmp_path / "state.json"
-    write_json_atomic(path, {"v": 1})
-    write_json_atomic(path, {"v": 2})
-    assert json.loads(path.read_text()) == {"v": 2}
-    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
-
-
-def test_write_json_atomic_failure_keeps_old_file_and_leaves_no_temp(tmp_path):
-    path = tmp_path / "state.json"
-    write_json_atomic(path, {"v": 1})
-    with pytest.raises(TypeError):
-        write_json_atomic(path, {"v": object()})  # not JSON serialisable
-    assert json.loads(path.read_text()) == {"v": 1}
-    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+from miles.checkpoint import checkpoint_problem, optimizer_from_files, optimizer_to_files, read_state
+from miles.run_dir import RunDir
 
 
 # ---------------------------------------------------------------- optimizer files
@@ -141,16 +104,16 @@ def _complete(run_dir, rollout_id: int, **state):
         (directory / "model").mkdir()
         (directory / "model" / "weights.bin").write_bytes(bytes(range(256)) * 64)
 
-    return write_checkpoint(run_dir, rollout_id, state, write_files)
+    return RunDir(run_dir).write_checkpoint(rollout_id, state, write_files)
 
 
 def test_latest_checkpoint_none_without_dir(tmp_path):
-    assert latest_checkpoint(tmp_path) is None
+    assert RunDir(tmp_path).latest_checkpoint() is None
 
 
 def test_latest_checkpoint_none_when_empty(tmp_path):
     (tmp_path / "checkpoints").mkdir()
-    assert latest_checkpoint(tmp_path) is None
+    assert RunDir(tmp_path).latest_checkpoint() is None
 
 
 def test_latest_checkpoint_picks_highest_numeric(tmp_path):
@@ -160,8 +123,8 @@ def test_latest_checkpoint_picks_highest_numeric(tmp_path):
     staging = tmp_path / "checkpoints" / ".staging-99"
     staging.mkdir()
     (staging / ckpt.STATE_FILE).write_text("{}")  # not a numeric name
-    latest = latest_checkpoint(tmp_path)
-    assert latest == checkpoint_dir(tmp_path, 10)
+    latest = RunDir(tmp_path).latest_checkpoint()
+    assert latest == RunDir(tmp_path).checkpoint(10)
     assert read_state(latest) == {"rollout_id": 10}
 
 
@@ -197,8 +160,8 @@ def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(t
     damaged = _complete(tmp_path, 3)
     damage(damaged / "model" / "weights.bin")
     with caplog.at_level("WARNING", logger="miles.checkpoint"):
-        latest = latest_checkpoint(tmp_path)
-    assert latest == checkpoint_dir(tmp_path, 1)
+        latest = RunDir(tmp_path).latest_checkpoint()
+    assert latest == RunDir(tmp_path).checkpoint(1)
     assert problem in caplog.text and str(damaged) in caplog.text
     aside = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("damaged-3-")]
     assert len(aside) == 1 and not damaged.exists()  # kept for inspection, no longer a candidate
@@ -207,7 +170,7 @@ def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(t
 
 def test_every_checkpoint_damaged_gives_none(tmp_path):
     (_complete(tmp_path, 0) / ckpt.STATE_FILE).write_text("{")
-    assert latest_checkpoint(tmp_path) is None
+    assert RunDir(tmp_path).latest_checkpoint() is None
 
 
 def test_a_retried_save_keeps_the_existing_checkpoint(tmp_path):
@@ -215,51 +178,6 @@ def test_a_retried_save_keeps_the_existing_checkpoint(tmp_path):
     assert _complete(tmp_path, 4, tag="retry") == target
     assert read_state(target) == {"rollout_id": 4, "tag": "first"}
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["4"]  # no staging dir left behind
-
-
-# ---------------------------------------------------------------- ledger
-
-
-def test_ledger_record_and_reload(tmp_path):
-    ledger = Ledger(tmp_path)
-    assert ledger.trained == {}
-    assert not ledger.path.exists()
-    ledger.record(0, {"loss": 0.5})
-    ledger.record(2, {"loss": 0.25, "reward": 1.0})
-    ledger.record(1, {"loss": 0.75})
-    assert ledger.path == tmp_path / "ledger.json"
-
-    reloaded = Ledger(tmp_path)
-    assert reloaded.trained == {0: {"loss": 0.5}, 1: {"loss": 0.75}, 2: {"loss": 0.25, "reward": 1.0}}
-    assert all(isinstance(k, int) for k in reloaded.trained)
-    assert list(json.loads(ledger.path.read_text())["trained"]) == ["0", "1", "2"]
-
-
-def test_ledger_record_overwrites(tmp_path):
-    ledger = Ledger(tmp_path)
-    ledger.record(3, {"loss": 1.0})
-    ledger.record(3, {"loss": 2.0})
-    assert Ledger(tmp_path).trained == {3: {"loss": 2.0}}
-
-
-def test_ledger_forget_after(tmp_path):
-    ledger = Ledger(tmp_path)
-    for i in range(6):
-        ledger.record(i, {"step": float(i)})
-    assert ledger.forget_after(2) == [3, 4, 5]
-    assert sorted(ledger.trained) == [0, 1, 2]
-    assert sorted(Ledger(tmp_path).trained) == [0, 1, 2]
-    assert ledger.forget_after(2) == []
-    assert ledger.forget_after(-1) == [0, 1, 2]
-    assert Ledger(tmp_path).trained == {}
-
-
-def test_ledger_forget_after_sorts_numerically(tmp_path):
-    ledger = Ledger(tmp_path)
-    for i in (12, 3, 100, 9):
-        ledger.record(i, {})
-    assert ledger.forget_after(5) == [9, 12, 100]
-    assert Ledger(tmp_path).trained == {3: {}}
 
 
 def test_a_save_clears_what_a_dead_attempt_left_half_written(tmp_path):

@@ -1,4 +1,4 @@
-"""RestartableActor: a dead actor is started again on the next call, once, however many callers met the death."""
+"""RestartableActor: a proxy whose dead actor is started again on the next call, once, however many callers met the death."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import pytest
 import ray
 
 from miles.cluster import ActorLost, RestartableActor
-from tests.faults import actor_pid, freeze_then_kill
+from tests.helpers.faults import actor_pid, freeze_then_kill
 
 
-@ray.remote(num_cpus=0)
 class Counter:
     def __init__(self, start: int):
         self.value = start
@@ -24,6 +23,9 @@ class Counter:
 
     def payload(self) -> list[int]:
         return [self.value] * 3
+
+
+CounterActor = ray.remote(num_cpus=0)(Counter)
 
 
 @ray.remote(num_cpus=0)
@@ -40,7 +42,7 @@ def counter(ray_session):
     starts: list[int] = []
 
     def start():
-        handle = Counter.remote(100 * len(starts))  # "restored state": 0 at first, 100 after the first restart
+        handle = CounterActor.remote(100 * len(starts))  # "restored state": 0 at first, 100 after the first restart
         starts.append(len(starts))
         return handle
 
@@ -51,11 +53,11 @@ def counter(ray_session):
 
 def test_a_dead_actor_fails_its_call_then_restarts_on_the_next(counter):
     actor, starts = counter
-    assert actor.call("add", 1) == 1
+    assert actor.add(1) == 1
     os.kill(actor_pid(actor.handle), signal.SIGKILL)
     with pytest.raises(ActorLost, match="the counter died during add"):
-        actor.call("add", 1)
-    assert actor.call("add", 5) == 105  # rebuilt by start(), then the call
+        actor.add(1)
+    assert actor.add(5) == 105  # rebuilt by start(), then the call
     assert starts == [0, 1]
 
 
@@ -63,30 +65,30 @@ def test_callers_that_meet_one_death_restart_it_once(counter):
     actor, starts = counter
     freeze_then_kill(actor.handle, after_s=0.5)
     outcomes: list = []
-    threads = [threading.Thread(target=lambda: outcomes.append(_try(actor.call, "add", 1))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: outcomes.append(_try(actor.add, 1))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert all(isinstance(o, ActorLost) for o in outcomes) and len(outcomes) == 3
-    assert [actor.call("add", 1) for _ in range(3)] == [101, 102, 103]
+    assert [actor.add(1) for _ in range(3)] == [101, 102, 103]
     assert starts == [0, 1]
 
 
 def test_hand_over_names_a_dead_producer_and_passes_other_errors_through(counter):
     actor, starts = counter
     consumer = Consumer.remote()
-    assert actor.hand_over("payload", to=lambda ref: ray.get(consumer.total.remote(ref))) == 0
+    assert actor.hand_over(Counter.payload, to=lambda ref: ray.get(consumer.total.remote(ref))) == 0
 
     with pytest.raises(ray.exceptions.RayActorError) as caught:  # the consumer died, the producer is fine
-        actor.hand_over("payload", to=lambda ref: ray.get(consumer.exit.remote(ref)))
+        actor.hand_over(Counter.payload, to=lambda ref: ray.get(consumer.exit.remote(ref)))
     assert not isinstance(caught.value, ActorLost)
 
     consumer = Consumer.remote()
     freeze_then_kill(actor.handle, after_s=0.5)
     with pytest.raises(ActorLost, match="the counter died during payload"):
-        actor.hand_over("payload", to=lambda ref: ray.get(consumer.total.remote(ref)))
-    assert actor.hand_over("payload", to=lambda ref: ray.get(consumer.total.remote(ref))) == 300
+        actor.hand_over(Counter.payload, to=lambda ref: ray.get(consumer.total.remote(ref)))
+    assert actor.hand_over(Counter.payload, to=lambda ref: ray.get(consumer.total.remote(ref))) == 300
     assert starts == [0, 1]
 
 

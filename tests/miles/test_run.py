@@ -9,12 +9,13 @@ import pyarrow as pa
 import pytest
 import torch
 
-from miles.checkpoint import Ledger, latest_checkpoint, read_state
+from miles.checkpoint import read_state
+from miles.run_dir import RunDir
 from miles.config import ConfigError
 from miles.loop import run_sync
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.run import RLRun
-from tests.conftest import RECOVERY_RUN, final_weights, max_abs_diff
+from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -44,7 +45,7 @@ def test_plain_loop_runs_and_records_the_run(ray_session, small_config):
     # Rollout i is sampled by the weights trained on rollouts < i.
     assert [m["weight_version"] for m in _metrics(run_dir)] == [0, 1, 2]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]
-    state = read_state(latest_checkpoint(run_dir))
+    state = read_state(RunDir(run_dir).latest_checkpoint())
     assert state["rollout_id"] == 2 and state["weight_version"] == 3 and state["data"]["position"] == 24
     record = json.loads((run_dir / "run.json").read_text())
     assert record["initial_model"] == config.model.path and "torch" in record["versions"]
@@ -71,7 +72,7 @@ def test_resume_after_a_stopped_run_continues_at_the_next_rollout(ray_session, s
     assert [r["rollout_id"] for r in records] == [2, 3]
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3]
     assert rollout_2.stat().st_mtime_ns == generated_at  # reused, not regenerated
-    assert read_state(latest_checkpoint(config.run_dir))["rollout_id"] == 3
+    assert read_state(RunDir(config.run_dir).latest_checkpoint())["rollout_id"] == 3
     starts = json.loads((Path(config.run_dir) / "run.json").read_text())["starts"]
     assert [s["rollout_id"] for s in starts] == [0, 2]
 
@@ -80,11 +81,11 @@ def test_train_twice_on_one_rollout_steps_once(ray_session, small_config):
     with RLRun(small_config(num_rollout=1)) as run:
         run.generate(0)
         table = run.get(0)
-        before = run.trainer.call("weights")
+        before = run.trainer.weights()
         first = run.train(0, table)
-        after_first = run.trainer.call("weights")
+        after_first = run.trainer.weights()
         second = run.train(0, table)
-        after_second = run.trainer.call("weights")
+        after_second = run.trainer.weights()
     assert any(not torch.equal(before[k], after_first[k]) for k in before)
     assert all(torch.equal(after_first[k], after_second[k]) for k in before)
     assert second == first
@@ -101,7 +102,7 @@ def test_iterations_per_run_trains_a_slice_then_the_next_run_resumes(ray_session
     config = small_config("iterations_per_run=2", num_rollout=5, save_interval=100)
     first = run_sync(config)
     assert [r["rollout_id"] for r in first] == [0, 1]
-    assert read_state(latest_checkpoint(config.run_dir))["rollout_id"] == 1  # saved at the end of the slice
+    assert read_state(RunDir(config.run_dir).latest_checkpoint())["rollout_id"] == 1  # saved at the end of the slice
     assert [r["rollout_id"] for r in run_sync(config)] == [2, 3]
     assert [r["rollout_id"] for r in run_sync(config)] == [4]
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3, 4]
@@ -131,7 +132,7 @@ def test_resume_replays_rollouts_trained_after_the_checkpoint(small_config, unin
 
     assert [r["rollout_id"] for r in records] == [3, 4]  # rollout 2 is not an iteration again
     assert rollout_3.stat().st_mtime_ns == generated_at  # reused, not regenerated
-    assert sorted(Ledger(config.run_dir).trained) == [0, 1, 2, 3, 4]
+    assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3, 4]
     starts = json.loads((Path(config.run_dir) / "run.json").read_text())["starts"]
     assert [(s["rollout_id"], s["replayed"]) for s in starts] == [(0, []), (3, [2])]
@@ -175,7 +176,7 @@ def test_samples_whose_reward_fails_are_counted_and_the_run_goes_on(small_config
         records = run_sync(config)  # each rollout holds all 8 prompts: 2 of them, x 4 samples, fail
 
     assert [(r["rollout_id"], r["failed_samples"]) for r in records] == [(0, 8), (1, 8)]
-    assert sorted(Ledger(config.run_dir).trained) == [0, 1]
+    assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1]
     assert f"data.reward {reward!r} failed on 8 of 32 samples" in caplog.text
     table = pa.ipc.open_file(pa.memory_map(str(Path(config.run_dir) / "rollouts" / "rollout_0.arrow"))).read_all()
     failed = [row for row in table.to_pylist() if row["status"] == "failed"]

@@ -22,8 +22,8 @@ from miles.config import SGLangConfig
 from miles.engines import EngineUnavailable, RolloutEngine
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
-from tests.conftest import SGLANG_STAND_IN, perturbed_weights
-from tests.faults import sglang_server_pid
+from tests.helpers import SGLANG_STAND_IN, perturbed_weights
+from tests.helpers.faults import sglang_server_pid
 from tests.miles.engines.test_torch_engine import _requests, _seeded
 from tests.miles.engines.test_torch_engine_adapters import PROMPTS, _with_adapter
 

@@ -15,8 +15,8 @@ import torch
 
 from miles.config import AdapterConfig, RolloutConfig, load_config
 from miles.rollout.inference_controller import EngineRestarted, InferenceController
-from tests.conftest import perturbed_weights, sglang_overrides
-from tests.faults import actor_pid, sglang_server_pid
+from tests.helpers import perturbed_weights, sglang_overrides
+from tests.helpers.faults import actor_pid, sglang_server_pid
 from tests.miles.engines.test_torch_engine import _requests, _seeded
 
 

@@ -13,7 +13,7 @@ from miles.rewards import resolve_reward
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.rollout_executor import RolloutExecutor
 from miles.rollout.schema import ROLLOUT_SCHEMA
-from miles.rollout.store import RolloutStore
+from miles.run_dir import RunDir
 
 from tests.miles.rollout.test_schema_store import rollout_table
 
@@ -27,7 +27,7 @@ def _executor(tmp_path, global_batch_size, *overrides):
     class Tok:
         eos_token_id = 2
 
-    store = RolloutStore(tmp_path)
+    store = RunDir(tmp_path).rollout_store()
     return RolloutExecutor(config, None, Tok(), DataSource([{"prompt": "1+1=", "label": "2"}], seed=0), store, None), store
 
 
@@ -128,7 +128,7 @@ def _generating_executor(tmp_path, controller, tokenizer, reward: str):
                                 "train.global_batch_size=2", "train.micro_batch_size=2", f"data.reward={reward}"],
                          run_dir=str(tmp_path))
     rows = [{"prompt": f"{k}+1=", "label": label} for k, label in enumerate(LABELS)]
-    store = RolloutStore(tmp_path)
+    store = RunDir(tmp_path).rollout_store()
     data = DataSource(rows, seed=0, shuffle=False)
     return RolloutExecutor(config, controller, tokenizer, data, store, resolve_reward(config.data.reward)), store
 

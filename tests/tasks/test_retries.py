@@ -7,7 +7,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter
 
 from miles.config import ConfigError
-from tasks.policy import RETRY_DELAYS_S, retry_policy
+from tasks.retries import RETRY_DELAYS_S, retry_policy
 
 
 def _policy_without_waiting(retries):

@@ -1,0 +1,163 @@
+"""Iterations: one policy's rollouts in a run (the full model, or one adapter of the multi-LoRA run).
+
+Which rollout_ids this run trains, `generate` and `get` through the policy's RolloutExecutor, each phase timed,
+one metrics.jsonl line per finished iteration, the checkpoint schedule, and the restore of a trainer from the
+run directory. RLRun and each AdapterRun hold one; how the policy trains and reaches the engines is theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import pyarrow as pa
+
+from miles.config import RunConfig
+from miles.data import DataSource
+from miles.plots import plot_reward_curve
+from miles.resume import ResumePlan
+from miles.rewards import RewardFn
+from miles.rollout.inference_controller import InferenceController
+from miles.rollout.rollout_executor import RolloutExecutor, summarize
+from miles.rollout.schema import rollout_metadata
+from miles.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+Trainer = TypeVar("Trainer")
+PHASES = ("generate", "get", "train", "sync")
+
+
+class PolicyInputs(NamedTuple):
+    """A policy's checked inputs: its view of the run config, its prompt rows and its reward function."""
+
+    config: RunConfig
+    rows: list[dict[str, str]]
+    reward_fn: RewardFn
+
+
+class Iterations:
+    def __init__(
+        self,
+        inputs: PolicyInputs,
+        plan: ResumePlan,
+        controller: InferenceController,
+        tokenizer,
+        adapter: str | None = None,
+    ):
+        self.config = inputs.config
+        self.run_dir = RunDir(self.config.run_dir)
+        self.plan = plan
+        self.adapter = adapter
+        self.label = f"{adapter}, " if adapter else ""
+        self.store = self.run_dir.rollout_store()
+        self.data_source = DataSource(inputs.rows, seed=self.config.seed, shuffle=self.config.data.shuffle)
+        if plan.data_state:
+            self.data_source.load_state_dict(plan.data_state)
+        self.executor = RolloutExecutor(
+            self.config, controller, tokenizer, self.data_source, self.store, inputs.reward_fn, adapter
+        )
+        # Rollouts trained so far; the trainer is at version rollout_id + 1 after training rollout_id.
+        self.trainer_version = plan.first_rollout_id
+        self._recorded_ids = self.run_dir.keep_metrics_before(plan.first_rollout_id)
+        self._timings: dict[int, dict[str, float]] = {}
+        self._summaries: dict[int, dict[str, Any]] = {}
+        self._metrics: dict[int, dict[str, float]] = {}
+        self._account_for_replay()
+
+    def _account_for_replay(self) -> None:
+        """The rollouts the plan replays are trained already: the data cursor goes past them, and one whose
+        metrics line was never written (the process died after training it) gets it from the ledger."""
+        trained = self.run_dir.ledger().trained
+        for rollout_id in self.plan.replay:
+            table = self.store.read(rollout_id)
+            self.data_source.position = int(rollout_metadata(table)["data_position_end"])
+            if rollout_id not in self._recorded_ids:
+                self._summaries[rollout_id] = summarize(table)
+                self._metrics[rollout_id] = trained[rollout_id]
+                self._append_metrics(self._iteration_record(rollout_id))
+
+    def restore(self, start: Callable[[Path | None], Trainer], train: Callable[[Trainer, int, pa.Table], Any]) -> Trainer:
+        """`start(checkpoint)` with the latest intact checkpoint, then `train(trainer, rollout_id, table)` on each
+        rollout trained after it, from its stored file and handed over at trainer version rollout_id as when first
+        trained: the trainer comes out with the weights it had. Used at the start and after a trainer died.
+
+        The ledger forgets those rollouts first, so that the trainer records each again as it re-trains it."""
+        plan = ResumePlan.read(self.run_dir, self.store, self.label)
+        self.run_dir.ledger().forget_after(plan.saved_rollout_id)
+        trainer = start(plan.checkpoint)
+        for rollout_id in plan.replay:
+            table, _ = self.executor.get(rollout_id, trainer_version=rollout_id)
+            train(trainer, rollout_id, table)
+        if plan.replay:
+            log.warning("%sre-trained rollouts %s from their stored files onto the latest checkpoint", self.label, list(plan.replay))
+        return trainer
+
+    def rollout_ids(self) -> range:
+        """The rollouts this run trains: up to num_rollout, at most iterations_per_run of them."""
+        start = self.plan.first_rollout_id
+        per_run = self.config.iterations_per_run or self.config.num_rollout
+        return range(start, min(self.config.num_rollout, start + per_run))
+
+    def should_save(self, rollout_id: int) -> bool:
+        """Every save_interval, and at the end of this run (the next run resumes from there)."""
+        return (rollout_id + 1) % self.config.save_interval == 0 or rollout_id == self.rollout_ids().stop - 1
+
+    def checkpoint_state(self, rollout_id: int) -> dict[str, Any]:
+        return {"weight_version": rollout_id + 1, "data": self.data_source.state_dict(), "seed": self.config.seed}
+
+    @contextmanager
+    def timed(self, rollout_id: int, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self._timings.setdefault(rollout_id, {})[f"time_{phase}"] = time.perf_counter() - started
+
+    def generate(self, rollout_id: int) -> dict[str, Any]:
+        with self.timed(rollout_id, "generate"):
+            summary = self.executor.generate(rollout_id)
+        self._summaries.setdefault(rollout_id, {}).update(summary)
+        return summary
+
+    def get(self, rollout_id: int) -> pa.Table:
+        with self.timed(rollout_id, "get"):
+            table, stats = self.executor.get(rollout_id, self.trainer_version)
+        self._summaries.setdefault(rollout_id, {}).update(stats)
+        return table
+
+    def train(self, rollout_id: int, train: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """`train()` steps the policy on rollout `rollout_id`; its metrics go into the iteration's record."""
+        with self.timed(rollout_id, "train"):
+            metrics = train()
+        self._metrics[rollout_id] = metrics
+        self.trainer_version = rollout_id + 1
+        return metrics
+
+    def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
+        """The iteration's record, appended to metrics.jsonl once per rollout_id."""
+        record = self._iteration_record(rollout_id)
+        self._append_metrics(record)
+        return record
+
+    def _iteration_record(self, rollout_id: int) -> dict[str, Any]:
+        record: dict[str, Any] = {"rollout_id": rollout_id}
+        if self.adapter:
+            record["adapter"] = self.adapter
+        record["finished_at"] = time.time()
+        record.update(self._summaries.pop(rollout_id, {}))
+        record.update(self._metrics.pop(rollout_id, {}))
+        record.update({f"time_{phase}": 0.0 for phase in PHASES})
+        record.update(self._timings.pop(rollout_id, {}))
+        return record
+
+    def _append_metrics(self, record: dict[str, Any]) -> None:
+        if record["rollout_id"] not in self._recorded_ids:
+            self.run_dir.append_metrics(record)
+            self._recorded_ids.add(record["rollout_id"])
+
+    def plot_reward_curve(self) -> Path:
+        """reward_curve.png from metrics.jsonl (the whole run, every start)."""
+        return plot_reward_curve(self.run_dir.metrics_path, self.run_dir.reward_curve_path)

@@ -1,0 +1,207 @@
+"""RunDir: the one owner of a run directory's layout and of the files in it.
+
+    <run_dir>/
+        run.json            the config, the starting model, package versions, one entry per start
+        run.lock            the pid of the process training the run
+        ledger.json         the rollouts trained, with their metrics
+        metrics.jsonl       one line per finished iteration
+        rollouts/           rollout_<id>.arrow (RolloutStore)
+        checkpoints/<id>/   model or adapter, optimizer, state.json (miles.checkpoint)
+        adapters/<name>/    one adapter's own run directory (multi-LoRA)
+        reward_curve.png
+
+Light on imports on purpose: the config names adapter directories through it before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.atomic import write_json_atomic
+
+if TYPE_CHECKING:
+    from miles.rollout.store import RolloutStore
+
+log = logging.getLogger(__name__)
+
+PACKAGES = ("miles-flow", "torch", "transformers", "ray", "pyarrow", "prefect", "sglang")
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def checkpoint(self, rollout_id: int) -> Path:
+        return self.checkpoints / str(rollout_id)
+
+    @property
+    def rollouts(self) -> Path:
+        return self.path / "rollouts"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def record_path(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def reward_curve_path(self) -> Path:
+        return self.path / "reward_curve.png"
+
+    def adapter(self, name: str) -> RunDir:
+        return RunDir(self.path / "adapters" / name)
+
+    def create(self) -> RunDir:
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def lock(self) -> RunLock:
+        return RunLock(self.path / "run.lock")
+
+    def ledger(self) -> Ledger:
+        """The ledger as it is on disk now (the trainer actor writes it from its own process)."""
+        return Ledger(self.path / "ledger.json")
+
+    def rollout_store(self) -> RolloutStore:
+        from miles.rollout.store import RolloutStore  # pyarrow: kept out of the config's imports
+
+        return RolloutStore(self.rollouts)
+
+    def latest_checkpoint(self) -> Path | None:
+        from miles.checkpoint import latest_checkpoint  # torch: kept out of the config's imports
+
+        return latest_checkpoint(self.checkpoints)
+
+    def write_checkpoint(self, rollout_id: int, state: dict[str, Any], write_files) -> Path:
+        from miles.checkpoint import write_checkpoint
+
+        return write_checkpoint(self.checkpoint(rollout_id), {**state, "rollout_id": rollout_id}, write_files)
+
+    # metrics.jsonl: one line per finished iteration, appended once per rollout_id.
+
+    def metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines()]
+
+    def keep_metrics_before(self, rollout_id: int) -> set[int]:
+        """Drop the lines of rollouts from `rollout_id` on (they will be trained again); return the rollout_ids kept."""
+        records = self.metrics()
+        kept = [r for r in records if r["rollout_id"] < rollout_id]
+        if len(kept) != len(records):
+            self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return {r["rollout_id"] for r in kept}
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # run.json: what the run started from, and every start.
+
+    def recorded_initial_model(self) -> Path | None:
+        if not self.record_path.exists():
+            return None
+        return Path(json.loads(self.record_path.read_text())["initial_model"])
+
+    def record_start(self, config: dict[str, Any], initial_model: Path, start: dict[str, Any]) -> None:
+        record = json.loads(self.record_path.read_text()) if self.record_path.exists() else {"starts": []}
+        record.update(config=config, initial_model=str(initial_model), versions=_versions())
+        record["starts"].append({"time": time.time(), **start})
+        write_json_atomic(self.record_path, record)
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+class Ledger:
+    """Which rollout_ids were trained, with their metrics (ledger.json)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.trained: dict[int, dict[str, float]] = {}
+        if self.path.exists():
+            self.trained = {int(k): v for k, v in json.loads(self.path.read_text())["trained"].items()}
+
+    def record(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        self.trained[rollout_id] = metrics
+        self._save()
+
+    def forget_after(self, rollout_id: int) -> list[int]:
+        """Drop entries whose weights were lost (trained after the checkpoint a run resumes from)."""
+        lost = sorted(k for k in self.trained if k > rollout_id)
+        for k in lost:
+            del self.trained[k]
+        if lost:
+            self._save()
+        return lost
+
+    def _save(self) -> None:
+        write_json_atomic(self.path, {"trained": {str(k): v for k, v in sorted(self.trained.items())}})
+
+
+class RunLock:
+    """run.lock holds the pid of the process training the run; a second process is refused.
+
+    A lock whose pid is dead (a killed process) is taken over with a warning.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and _alive(holder):
+                    message = f"{self.path.parent} is being trained by process {holder} (lock {self.path})"
+                    raise RuntimeError(message) from None
+                log.warning("taking over the stale lock %s of process %s", self.path, holder)
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return
+
+    def _holder(self) -> int | None:
+        try:
+            return int(self.path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self._holder() == os.getpid():
+            self.path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

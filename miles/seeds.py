@@ -1,0 +1,21 @@
+"""Every seed a run derives from its `seed`, in one place. Each is a pure function of the run seed and a name or
+rollout_id, so a retried or resumed step draws the same numbers, and adapters never share a stream."""
+
+from __future__ import annotations
+
+import zlib
+
+
+def rollout_seed(run_seed: int, rollout_id: int) -> int:
+    """The first sample's seed of rollout `rollout_id`; sample k of the rollout uses this + k."""
+    return ((run_seed * 1_000_003 + rollout_id) * 1_000_033) % (2**62)
+
+
+def adapter_run_seed(run_seed: int, adapter: str) -> int:
+    """The seed of one adapter's view of the run (its data order and rollouts)."""
+    return (run_seed * 1_000_003 + zlib.crc32(adapter.encode())) % 2**31
+
+
+def adapter_init_seed(run_seed: int, adapter: str) -> int:
+    """The torch seed that draws a new adapter's initial LoRA weights."""
+    return zlib.crc32(f"{run_seed}:{adapter}".encode())

@@ -1,0 +1,120 @@
+"""RunDir: the layout of a run directory, its metrics, run record, ledger and lock."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from miles.run_dir import RunDir
+
+
+def test_second_holder_is_refused_until_release(tmp_path):
+    lock = RunDir(tmp_path).lock()
+    assert (tmp_path / "run.lock").read_text() == str(os.getpid())
+    with pytest.raises(RuntimeError, match=f"being trained by process {os.getpid()}"):
+        RunDir(tmp_path).lock()
+    lock.release()
+    assert not (tmp_path / "run.lock").exists()
+    RunDir(tmp_path).lock().release()
+
+
+def test_lock_of_a_live_other_process_is_refused(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / "run.lock").write_text(str(sleeper.pid))
+        with pytest.raises(RuntimeError, match=str(sleeper.pid)):
+            RunDir(tmp_path).lock()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, caplog):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "run.lock").write_text(dead.stdout.strip())
+    with caplog.at_level(logging.WARNING, logger="miles.run_dir"):
+        lock = RunDir(tmp_path).lock()
+    assert (tmp_path / "run.lock").read_text() == str(os.getpid())
+    assert "stale lock" in caplog.text and dead.stdout.strip() in caplog.text
+    lock.release()
+
+
+# ---------------------------------------------------------------- ledger
+
+
+def test_ledger_record_and_reload(tmp_path):
+    ledger = RunDir(tmp_path).ledger()
+    assert ledger.trained == {}
+    assert not ledger.path.exists()
+    ledger.record(0, {"loss": 0.5})
+    ledger.record(2, {"loss": 0.25, "reward": 1.0})
+    ledger.record(1, {"loss": 0.75})
+    assert ledger.path == tmp_path / "ledger.json"
+
+    reloaded = RunDir(tmp_path).ledger()
+    assert reloaded.trained == {0: {"loss": 0.5}, 1: {"loss": 0.75}, 2: {"loss": 0.25, "reward": 1.0}}
+    assert all(isinstance(k, int) for k in reloaded.trained)
+    assert list(json.loads(ledger.path.read_text())["trained"]) == ["0", "1", "2"]
+
+
+def test_ledger_record_overwrites(tmp_path):
+    ledger = RunDir(tmp_path).ledger()
+    ledger.record(3, {"loss": 1.0})
+    ledger.record(3, {"loss": 2.0})
+    assert RunDir(tmp_path).ledger().trained == {3: {"loss": 2.0}}
+
+
+def test_ledger_forget_after(tmp_path):
+    ledger = RunDir(tmp_path).ledger()
+    for i in range(6):
+        ledger.record(i, {"step": float(i)})
+    assert ledger.forget_after(2) == [3, 4, 5]
+    assert sorted(ledger.trained) == [0, 1, 2]
+    assert sorted(RunDir(tmp_path).ledger().trained) == [0, 1, 2]
+    assert ledger.forget_after(2) == []
+    assert ledger.forget_after(-1) == [0, 1, 2]
+    assert RunDir(tmp_path).ledger().trained == {}
+
+
+def test_ledger_forget_after_sorts_numerically(tmp_path):
+    ledger = RunDir(tmp_path).ledger()
+    for i in (12, 3, 100, 9):
+        ledger.record(i, {})
+    assert ledger.forget_after(5) == [9, 12, 100]
+    assert RunDir(tmp_path).ledger().trained == {3: {}}
+
+
+# ---------------------------------------------------------------- layout, metrics, run record
+
+
+def test_layout_names_every_file_and_an_adapter_has_a_run_dir_of_its_own(tmp_path):
+    run_dir = RunDir(tmp_path)
+    assert run_dir.checkpoint(7) == tmp_path / "checkpoints" / "7"
+    assert run_dir.rollout_store().path(3) == tmp_path / "rollouts" / "rollout_3.arrow"
+    assert run_dir.ledger().path == tmp_path / "ledger.json"
+    adapter = run_dir.adapter("add")
+    assert adapter.path == tmp_path / "adapters" / "add" and adapter.checkpoint(0) == tmp_path / "adapters" / "add" / "checkpoints" / "0"
+
+
+def test_metrics_lines_of_rollouts_to_be_trained_again_are_dropped(tmp_path):
+    run_dir = RunDir(tmp_path)
+    assert run_dir.keep_metrics_before(0) == set() and run_dir.metrics() == []
+    for rollout_id in range(4):
+        run_dir.append_metrics({"rollout_id": rollout_id, "reward_mean": rollout_id / 10})
+    assert run_dir.keep_metrics_before(2) == {0, 1}
+    assert run_dir.metrics() == [{"rollout_id": 0, "reward_mean": 0.0}, {"rollout_id": 1, "reward_mean": 0.1}]
+    assert run_dir.keep_metrics_before(5) == {0, 1}
+
+
+def test_run_record_keeps_the_initial_model_and_every_start(tmp_path):
+    run_dir = RunDir(tmp_path)
+    assert run_dir.recorded_initial_model() is None
+    run_dir.record_start({"seed": 1}, tmp_path / "model", {"rollout_id": 0})
+    run_dir.record_start({"seed": 2}, tmp_path / "model", {"rollout_id": 3})
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert run_dir.recorded_initial_model() == tmp_path / "model"
+    assert record["config"] == {"seed": 2} and [s["rollout_id"] for s in record["starts"]] == [0, 3]
+    assert "pyarrow" in record["versions"]
