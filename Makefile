@@ -34,7 +34,10 @@ run-gpu: install-gpu
 	$(VENV)/bin/miles run sync --set rollout.engine=sglang --set rollout.sglang.python=$(CURDIR)/$(SGLANG_VENV)/bin/python \
 		--set rollout.device=cuda --set train.device=cuda --set rollout.sglang.mem_fraction_static=0.5
 
+# Lint and format checks first: a failing one stops the run before the slow tests.
 test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 ui: install

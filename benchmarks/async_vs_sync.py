@@ -44,7 +44,10 @@ def _measure(flow, overrides: list[str], iterations: int) -> dict[str, float]:
     records = [json.loads(line) for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()]
     return {
         "s_per_iteration": (records[-1]["finished_at"] - records[0]["finished_at"]) / (len(records) - 1),
-        **{phase: statistics.mean(r[f"time_{phase}"] for r in records[1:]) for phase in ("generate", "get", "train", "sync")},
+        **{
+            phase: statistics.mean(r[f"time_{phase}"] for r in records[1:])
+            for phase in ("generate", "get", "train", "sync")
+        },
         "reward_mean": statistics.mean(r["reward_mean"] for r in records),
     }
 
@@ -60,7 +63,9 @@ def main() -> None:
     asynchronous = _measure(async_rl, overrides, args.iterations)
     print(f"{'':8} {'s/iter':>8} {'generate':>9} {'get':>7} {'train':>7} {'sync':>7} {'reward':>7}")
     for name, m in (("sync", sync), ("async", asynchronous)):
-        print(f"{name:8} {m['s_per_iteration']:8.3f} {m['generate']:9.3f} {m['get']:7.3f} {m['train']:7.3f} {m['sync']:7.3f} {m['reward_mean']:7.3f}")
+        print(
+            f"{name:8} {m['s_per_iteration']:8.3f} {m['generate']:9.3f} {m['get']:7.3f} {m['train']:7.3f} {m['sync']:7.3f} {m['reward_mean']:7.3f}"
+        )
     print(f"speedup {sync['s_per_iteration'] / asynchronous['s_per_iteration']:.3f}")
 
 

@@ -104,13 +104,13 @@ def make_rollout(samples: int, seed: int) -> dict[str, np.ndarray]:
 def rollout_as_lists(r: dict[str, np.ndarray]) -> dict[str, list]:
     def split(offsets: np.ndarray, values: np.ndarray) -> list[list]:
         flat = values.tolist()
-        return [flat[start:end] for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+        return [flat[start:end] for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)]
 
     prompts = split(r["prompt_offsets"], r["prompt_values"])
     responses = split(r["response_offsets"], r["response_values"])
     samples = len(prompts)
     return {
-        "tokens": [p + q for p, q in zip(prompts, responses)],
+        "tokens": [p + q for p, q in zip(prompts, responses, strict=True)],
         "response_lengths": r["response_length"].tolist(),
         "rewards": r["advantage"].tolist(),
         "raw_reward": r["raw_reward"].tolist(),
@@ -154,9 +154,14 @@ def batch_from_lists(data: dict[str, list], pad_token_id: int) -> dict[str, torc
     from torch.nn.utils.rnn import pad_sequence
 
     tokens = [torch.tensor(t, dtype=torch.long) for t in data["tokens"]]
-    prompt_lens = [len(t) - n for t, n in zip(data["tokens"], data["response_lengths"])]
-    loss_masks = [pad(torch.tensor(m, dtype=torch.int), (p, 0)) for m, p in zip(data["loss_masks"], prompt_lens)]
-    logprobs = [pad(torch.tensor(lp, dtype=torch.float32), (p, 0)) for lp, p in zip(data["rollout_log_probs"], prompt_lens)]
+    prompt_lens = [len(t) - n for t, n in zip(data["tokens"], data["response_lengths"], strict=True)]
+    loss_masks = [
+        pad(torch.tensor(m, dtype=torch.int), (p, 0)) for m, p in zip(data["loss_masks"], prompt_lens, strict=True)
+    ]
+    logprobs = [
+        pad(torch.tensor(lp, dtype=torch.float32), (p, 0))
+        for lp, p in zip(data["rollout_log_probs"], prompt_lens, strict=True)
+    ]
     return {
         "tokens": pad_sequence(tokens, batch_first=True, padding_value=pad_token_id),
         "attention_mask": pad_sequence([torch.ones_like(t) for t in tokens], batch_first=True),
@@ -207,12 +212,19 @@ class Consumer:
             batch = batch_from_lists(payload, PAD)
         else:
             b = self._batch_from_table(payload, PAD)
-            batch = {"tokens": b.tokens, "attention_mask": b.attention_mask, "response_mask": b.response_mask,
-                     "rollout_logprobs": b.rollout_logprobs, "advantages": b.advantages}
+            batch = {
+                "tokens": b.tokens,
+                "attention_mask": b.attention_mask,
+                "response_mask": b.response_mask,
+                "rollout_logprobs": b.rollout_logprobs,
+                "advantages": b.advantages,
+            }
         done = time.monotonic()
         peak = _proc_status_kib("VmHWM")["VmHWM"]
         return {
-            "received": received, "got": got, "done": done,
+            "received": received,
+            "got": got,
+            "done": done,
             "peak_mib": (peak - rss_before) / 1024,
             "shape": tuple(batch["tokens"].shape),
             "batch": batch if return_batch else None,
@@ -232,8 +244,13 @@ def measure(producer, kind: str, return_batch: bool = False) -> dict:
     result = ray.get(consumer.receive.remote(kind, refs, return_batch))
     located = ray.experimental.get_object_locations(refs)
     result["store_mib"] = located[refs[0]]["object_size"] / MIB
-    result.update(total=result["done"] - started, put=put_done - started, handoff=result["received"] - put_done,
-                  get=result["got"] - result["received"], convert=result["done"] - result["got"])
+    result.update(
+        total=result["done"] - started,
+        put=put_done - started,
+        handoff=result["received"] - put_done,
+        get=result["got"] - result["received"],
+        convert=result["done"] - result["got"],
+    )
     del refs
     ray.kill(consumer)
     _wait_gone(pid)  # its memory is back before the next measurement starts
@@ -252,15 +269,23 @@ def check_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4096,32768,131072", help="comma-separated sample counts")
-    parser.add_argument("--repeats", type=int, default=3, help="measured (a)+(b) pairs per size, after one warm-up pair")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="measured (a)+(b) pairs per size, after one warm-up pair"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
 
     # Room for the largest payload (the pickled lists take ~16 bytes a token) twice over, so that nothing spills.
     store_bytes = 256 * MIB + 2 * 16 * sizes[-1] * (RESPONSE_TOKENS + sum(PROMPT_TOKENS) // 2)
-    ray.init(num_cpus=max(os.cpu_count() or 1, 4), object_store_memory=store_bytes, _node_ip_address="127.0.0.1",
-             include_dashboard=False, log_to_driver=True, configure_logging=False)
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, 4),
+        object_store_memory=store_bytes,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+    )
     producer = Producer.options(**actor_options()).remote()
 
     rows = []
@@ -275,27 +300,37 @@ def main() -> None:
         for _ in range(args.repeats):
             for kind in ("lists", "table"):
                 runs[kind].append(measure(producer, kind))
-        med = {kind: {key: statistics.median(r[key] for r in runs[kind])
-                      for key in ("total", "put", "handoff", "get", "convert", "peak_mib", "store_mib")}
-               for kind in runs}
+        med = {
+            kind: {
+                key: statistics.median(r[key] for r in runs[kind])
+                for key in ("total", "put", "handoff", "get", "convert", "peak_mib", "store_mib")
+            }
+            for kind in runs
+        }
         rows.append((samples, med))
         for kind, label in (("lists", "(a) lists"), ("table", "(b) table")):
             m = med[kind]
             totals = ", ".join(f"{r['total']:.3f}" for r in runs[kind])
-            print(f"  {samples:>7} {label}: total {m['total']:.3f} s = put {m['put']:.3f} + handoff {m['handoff']:.3f}"
-                  f" + get {m['get']:.3f} + convert {m['convert']:.3f}; object store {m['store_mib']:.0f} MiB;"
-                  f" consumer peak +{m['peak_mib']:.0f} MiB  (totals: {totals})",
-                  flush=True)
+            print(
+                f"  {samples:>7} {label}: total {m['total']:.3f} s = put {m['put']:.3f} + handoff {m['handoff']:.3f}"
+                f" + get {m['get']:.3f} + convert {m['convert']:.3f}; object store {m['store_mib']:.0f} MiB;"
+                f" consumer peak +{m['peak_mib']:.0f} MiB  (totals: {totals})",
+                flush=True,
+            )
     ray.kill(producer)
     ray.shutdown()
 
     print()
-    print(f"{'samples':>8} {'(a) s':>9} {'(b) s':>9} {'speedup':>8} {'(a) peak MiB':>13} {'(b) peak MiB':>13}"
-          f" {'(a) store MiB':>14} {'(b) store MiB':>14}")
+    print(
+        f"{'samples':>8} {'(a) s':>9} {'(b) s':>9} {'speedup':>8} {'(a) peak MiB':>13} {'(b) peak MiB':>13}"
+        f" {'(a) store MiB':>14} {'(b) store MiB':>14}"
+    )
     for samples, med in rows:
         a, b = med["lists"], med["table"]
-        print(f"{samples:>8} {a['total']:>9.3f} {b['total']:>9.3f} {a['total'] / b['total']:>8.2f} {a['peak_mib']:>13.0f}"
-              f" {b['peak_mib']:>13.0f} {a['store_mib']:>14.0f} {b['store_mib']:>14.0f}")
+        print(
+            f"{samples:>8} {a['total']:>9.3f} {b['total']:>9.3f} {a['total'] / b['total']:>8.2f} {a['peak_mib']:>13.0f}"
+            f" {b['peak_mib']:>13.0f} {a['store_mib']:>14.0f} {b['store_mib']:>14.0f}"
+        )
     a, b = rows[-1][1]["lists"], rows[-1][1]["table"]
     print(f"handover_speedup {a['total'] / b['total']:.2f}")
 

@@ -47,31 +47,40 @@ def _child(model_dir: str, adapters_dir: str, adapters: int, batch: int, new_tok
         engine.load_adapter(name, load_file(str(Path(adapters_dir) / f"{i}.safetensors")), config, version=1)
     sampling = SamplingParams(max_new_tokens=new_tokens)  # no stop tokens: every row runs the full length
     prompt = list(range(3, 35))
-    requests = [GenerateRequest(prompt_ids=prompt, sampling=sampling, adapter=names[i % adapters], seed=i) for i in range(batch)]
+    requests = [
+        GenerateRequest(prompt_ids=prompt, sampling=sampling, adapter=names[i % adapters], seed=i) for i in range(batch)
+    ]
     engine.generate(requests[:adapters])  # warm-up: first-call allocations and kernel selection
     started = time.perf_counter()
     results = engine.generate(requests)
     seconds = time.perf_counter() - started
     tokens = sum(len(r.output_ids) for r in results)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({
-        "adapters": adapters,
-        "engine_mib": peak - after_imports,
-        "peak_rss_mib": peak,
-        "tokens_per_s": tokens / seconds,
-        "adapter_mib": sum(t.numel() * t.element_size() for t in load_file(str(Path(adapters_dir) / "0.safetensors")).values()) / 2**20,
-        "torch_threads": torch.get_num_threads(),
-    }))
+    print(
+        json.dumps(
+            {
+                "adapters": adapters,
+                "engine_mib": peak - after_imports,
+                "peak_rss_mib": peak,
+                "tokens_per_s": tokens / seconds,
+                "adapter_mib": sum(
+                    t.numel() * t.element_size() for t in load_file(str(Path(adapters_dir) / "0.safetensors")).values()
+                )
+                / 2**20,
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 def _build(workdir: Path, hidden: int, layers: int, vocab: int, rank: int, count: int) -> tuple[Path, Path, int]:
     import torch
     from peft import get_peft_model, get_peft_model_state_dict
+    from random_llama import random_llama
     from safetensors.torch import save_file
 
     from miles.config import AdapterConfig
     from miles.train.lora import config_dict, lora_config
-    from random_llama import random_llama
 
     model_dir, adapters_dir = workdir / "base", workdir / "adapters"
     model = random_llama(model_dir, hidden, layers, vocab, positions=256)
@@ -80,7 +89,10 @@ def _build(workdir: Path, hidden: int, layers: int, vocab: int, rank: int, count
     adapters_dir.mkdir()
     (adapters_dir / "adapter_config.json").write_text(json.dumps(config_dict(lora)))
     for i in range(count):
-        weights = {k: torch.randn_like(v) * 0.01 for k, v in get_peft_model_state_dict(peft_model, adapter_name="bench").items()}
+        weights = {
+            k: torch.randn_like(v) * 0.01
+            for k, v in get_peft_model_state_dict(peft_model, adapter_name="bench").items()
+        }
         save_file(weights, str(adapters_dir / f"{i}.safetensors"))
     parameters = sum(p.numel() for p in model.parameters())
     return model_dir, adapters_dir, parameters
@@ -104,13 +116,28 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="multi-lora-memory-") as workdir:
         model_dir, adapters_dir, parameters = _build(Path(workdir), args.hidden, args.layers, args.vocab, args.rank, 4)
-        print(f"base: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {parameters / 1e6:.1f}M parameters "
-              f"({parameters * 4 / 2**20:.0f} MiB fp32); LoRA rank {args.rank} on all linear layers; "
-              f"batch {args.batch} x {args.new_tokens} new tokens")
+        print(
+            f"base: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {parameters / 1e6:.1f}M parameters "
+            f"({parameters * 4 / 2**20:.0f} MiB fp32); LoRA rank {args.rank} on all linear layers; "
+            f"batch {args.batch} x {args.new_tokens} new tokens"
+        )
         runs = {}
         for adapters in (1, 4):
-            command = [sys.executable, __file__, "--child", str(model_dir), str(adapters_dir), "--adapters", str(adapters),
-                       "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+            command = [
+                sys.executable,
+                __file__,
+                "--child",
+                str(model_dir),
+                str(adapters_dir),
+                "--adapters",
+                str(adapters),
+                "--batch",
+                str(args.batch),
+                "--new-tokens",
+                str(args.new_tokens),
+                "--threads",
+                str(args.threads),
+            ]
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             runs[adapters] = json.loads(out.strip().splitlines()[-1])
     one, four = runs[1], runs[4]

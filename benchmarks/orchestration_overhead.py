@@ -1,7 +1,7 @@
 """Orchestration overhead: a Prefect-flow iteration vs a plain-loop iteration over the same actors and work.
 
 Both drive one RLRun (the same engine and trainer actors) at the default config: the plain loop calls
-`miles.loop.sync_iteration`, the flow calls `flows.sync_rl.sync_iteration` (the same calls wrapped in tasks).
+`miles.loop.sync_iteration`, the flow calls the sync flow's tasks (the same calls wrapped in tasks).
 Blocks alternate (plain, flow, plain, flow, ...) so that drift in the work hits both sides. The flow side runs
 against Prefect's ephemeral API in this process's machine, so the server's CPU per task run competes with the
 work, as it does for a user; its time includes flow start and the wait for the task history.
@@ -20,20 +20,28 @@ from flows.runtime import configure_prefect
 
 configure_prefect()
 
-from prefect import flow  # noqa: E402
+from prefect import flow, runtime  # noqa: E402
 
-from flows.runtime import wait_for_task_history  # noqa: E402
-from flows.sync_rl import sync_iteration as flow_iteration  # noqa: E402
+from flows.runtime import RL_FLOW_OPTIONS  # noqa: E402
 from miles.config import load_config  # noqa: E402
 from miles.loop import sync_iteration as plain_iteration  # noqa: E402
 from miles.run import RLRun  # noqa: E402
+from tasks import generate, get, save_checkpoint, sync_weights, train_step  # noqa: E402
+from tasks.history import finished_task_runs  # noqa: E402
 
 
-@flow(name="overhead-probe")
+@flow(name="overhead-probe", **RL_FLOW_OPTIONS)
 def probe(run: RLRun, rollout_ids: list[int]) -> int:
-    task_runs = sum(flow_iteration(run, i) for i in rollout_ids)
-    wait_for_task_history(task_runs)
-    return task_runs
+    """The sync flow's loop body, without its report; returns its task runs."""
+    for rollout_id in rollout_ids:
+        generate(run, rollout_id)
+        table = get(run, rollout_id)
+        train_step(run, rollout_id, table)
+        if run.should_sync(rollout_id):
+            sync_weights(run, rollout_id)
+        if run.should_save(rollout_id):
+            save_checkpoint(run, rollout_id)
+    return finished_task_runs(runtime.flow_run.id)
 
 
 def main() -> None:
@@ -46,8 +54,13 @@ def main() -> None:
     per_block = args.iterations
     total = per_block * (2 * args.rounds + 1)
     # save_interval past the end: no checkpoint inside the measured blocks.
-    config = load_config(None, args.overrides, run_dir=tempfile.mkdtemp(prefix="overhead-"), num_rollout=total + 1,
-                         save_interval=total + 1)
+    config = load_config(
+        None,
+        args.overrides,
+        run_dir=tempfile.mkdtemp(prefix="overhead-"),
+        num_rollout=total + 1,
+        save_interval=total + 1,
+    )
     with RLRun(config) as run:
         ids = iter(run.rollout_ids())
         plain_iteration(run, next(ids))  # warm the actors

@@ -18,15 +18,16 @@ import argparse
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
+from random_llama import random_llama
 
 from miles.config import SGLangConfig
 from miles.engines import GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
-from random_llama import random_llama
 
 STAND_IN = "tests.miles.engines.sglang_server"
 
@@ -52,9 +53,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sglang-client-") as workdir:
         model_dir = Path(workdir) / "model"
         model = random_llama(model_dir, args.hidden, args.layers, args.vocab, args.prompt_tokens + args.new_tokens + 8)
-        print(f"random Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; batch {args.batch} x "
-              f"({args.prompt_tokens} prompt + {args.new_tokens} new tokens), 1 torch thread per side")
+        print(
+            f"random Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; batch {args.batch} x "
+            f"({args.prompt_tokens} prompt + {args.new_tokens} new tokens), 1 torch thread per side"
+        )
         generator = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, args.vocab, (args.batch, args.prompt_tokens), generator=generator).tolist()
         sampling = SamplingParams(max_new_tokens=args.new_tokens)
@@ -72,10 +75,12 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in sides}
             for _ in range(args.repeats):
                 for name, generate in sides.items():
-                    times[name].append(_timed(lambda: generate(requests))[0])
+                    times[name].append(_timed(partial(generate, requests))[0])
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            push = {"in process": _timed(lambda: local.update_weights(weights, 1))[0],
-                    "over HTTP": _timed(lambda: remote.update_weights(weights, 1))[0]}
+            push = {
+                "in process": _timed(lambda: local.update_weights(weights, 1))[0],
+                "over HTTP": _timed(lambda: remote.update_weights(weights, 1))[0],
+            }
         finally:
             remote.shutdown()
 
@@ -84,7 +89,9 @@ def main() -> None:
     print(f"{'side':<14}{'tokens/s':>10}{'s/generate':>12}  {'runs (s)':<24}{'weight push (s)':>16}")
     for name in sides:
         median = statistics.median(times[name])
-        print(f"{name:<14}{tokens / median:>10.0f}{median:>12.3f}  {', '.join(f'{t:.3f}' for t in times[name]):<24}{push[name]:>16.3f}")
+        print(
+            f"{name:<14}{tokens / median:>10.0f}{median:>12.3f}  {', '.join(f'{t:.3f}' for t in times[name]):<24}{push[name]:>16.3f}"
+        )
     print(f"weight push of {megabytes:.0f} MiB: {push['over HTTP'] / push['in process']:.1f}x the in-memory load")
     print(f"client_overhead {statistics.median(times['over HTTP']) / statistics.median(times['in process']):.3f}")
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,9 @@ def _env(home: Path) -> dict[str, str]:
 def _probe(code: str, home: Path) -> float:
     """Seconds of the piece: what the code prints as `piece <s>`, else the whole process's wall time."""
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], cwd=home, env=_env(home), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=home, env=_env(home), capture_output=True, text=True, check=True
+    )
     wall = time.perf_counter() - started
     pieces = [float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("piece ")]
     return pieces[0] if pieces else wall
@@ -63,7 +65,7 @@ def _model_load(model_dir: str, home: Path) -> float:
 
 
 def _timestamp(value: str) -> float:
-    return datetime.fromisoformat(value).replace(tzinfo=timezone.utc).timestamp()
+    return datetime.fromisoformat(value).replace(tzinfo=UTC).timestamp()
 
 
 def main() -> None:
@@ -92,7 +94,9 @@ def main() -> None:
     for launch, (to_flow, to_generate, whole) in launches.items():
         print(f"miles run sync --num-rollout 1, {launch}:")
         print(f"  {'launch -> flow run starts':<58} {to_flow:6.2f} s")
-        print(f"  {'flow run starts -> first generate (RLRun: Ray, actors, models)':<58} {to_generate - to_flow:6.2f} s")
+        print(
+            f"  {'flow run starts -> first generate (RLRun: Ray, actors, models)':<58} {to_generate - to_flow:6.2f} s"
+        )
         print(f"  {'whole command (one rollout, evaluation, exit)':<58} {whole:6.2f} s")
     print(f"startup_seconds {to_generate:.2f}")
 
@@ -102,9 +106,27 @@ def _launch(home: Path, model: str, run_dir: str) -> tuple[float, float, float]:
     and to the command's exit."""
     launched = time.time()
     run = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "sync", "--run-dir", str(home / run_dir), "--num-rollout", "1",
-         "--set", f"model.path={model}", "--set", "rollout.num_threads=1", "--set", "train.num_threads=1"],
-        cwd=home, env=_env(home), capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "sync",
+            "--run-dir",
+            str(home / run_dir),
+            "--num-rollout",
+            "1",
+            "--set",
+            f"model.path={model}",
+            "--set",
+            "rollout.num_threads=1",
+            "--set",
+            "train.num_threads=1",
+        ],
+        cwd=home,
+        env=_env(home),
+        capture_output=True,
+        text=True,
     )
     finished = time.time()
     if run.returncode:

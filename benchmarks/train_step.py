@@ -34,10 +34,12 @@ import argparse
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
 import torch
+from random_llama import random_llama
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
@@ -46,7 +48,6 @@ from miles.models.tiny import ensure_embedded_model
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.train.actor import TrainActor
 from miles.train.batch import TrainBatch, batch_from_table
-from random_llama import random_llama
 
 
 def _load(model_dir: Path):
@@ -72,8 +73,13 @@ def _rollout_table(model_dir: Path, samples: int, prompt_tokens: int, response_t
     responses = torch.randint(3, vocab, (samples, response_tokens), generator=generator)
     advantages = torch.randn(samples, generator=generator)
     tokens = torch.cat([prompts, responses], dim=1)
-    unscored = TrainBatch(tokens, torch.ones_like(tokens), torch.zeros_like(tokens, dtype=torch.bool),
-                          torch.zeros(tokens.shape), advantages)
+    unscored = TrainBatch(
+        tokens,
+        torch.ones_like(tokens),
+        torch.zeros_like(tokens, dtype=torch.bool),
+        torch.zeros(tokens.shape),
+        advantages,
+    )
     logprobs = _next_token_logprobs(_load(model_dir), unscored, micro)[:, prompt_tokens:]
     return pa.Table.from_pydict(
         {
@@ -102,8 +108,9 @@ class PlainTrainer:
     def __init__(self, model_dir: Path, config: RunConfig, recompute: bool):
         self.model = _load(model_dir)
         train = config.train
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, betas=train.adam_betas,
-                                           weight_decay=train.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=train.lr, betas=train.adam_betas, weight_decay=train.weight_decay
+        )
         self.gbs, self.mbs, self.grad_clip = train.global_batch_size, train.micro_batch_size, train.grad_clip
         algo = config.algo
         self.eps_low, self.eps_high = algo.eps_clip, algo.eps_clip_high or algo.eps_clip
@@ -136,8 +143,9 @@ class PlainTrainer:
                 else:
                     old = rollout_lp[rows]
                 ratio = torch.exp(logp - old)
-                per_token = torch.maximum(-advantages[rows] * ratio,
-                                          -advantages[rows] * ratio.clamp(1 - self.eps_low, 1 + self.eps_high))
+                per_token = torch.maximum(
+                    -advantages[rows] * ratio, -advantages[rows] * ratio.clamp(1 - self.eps_low, 1 + self.eps_high)
+                )
                 if self.recompute:
                     per_token = per_token * torch.exp(old - rollout_lp[rows]).clamp(self.tis_low, self.tis_high)
                 loss = (per_token * mask_all[rows]).sum()
@@ -160,8 +168,12 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=128, help="samples per optimizer step")
     parser.add_argument("--micro-batch", type=int, default=32, help="samples per forward/backward")
-    parser.add_argument("--old-logprobs", choices=("rollout", "recompute"), default="rollout",
-                        help="old policy: the rollout's log-probs, or the trainer's recomputed ones with TIS")
+    parser.add_argument(
+        "--old-logprobs",
+        choices=("rollout", "recompute"),
+        default="rollout",
+        help="old policy: the rollout's log-probs, or the trainer's recomputed ones with TIS",
+    )
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192, help="vocab / hidden near that of common LLMs (~32)")
@@ -181,21 +193,33 @@ def main() -> None:
             positions = max(256, args.prompt_tokens + args.response_tokens)
             model_dir = Path(workdir) / "model"
             random_llama(model_dir, args.hidden, args.layers, args.vocab, positions)
-        algo = ["algo.use_rollout_logprobs=false", "algo.use_tis=true"] if recompute else \
-               ["algo.use_rollout_logprobs=true", "algo.use_tis=false"]
-        config = load_config(None, [
-            f"model.path={model_dir}",
-            f"rollout.rollout_batch_size={args.samples}",
-            "rollout.n_samples_per_prompt=1",
-            "rollout.temperature=1.0",
-            f"train.global_batch_size={args.global_batch}",
-            f"train.micro_batch_size={args.micro_batch}",
-            "train.num_passes=1",
-            f"train.num_threads={args.threads}",
-            *algo,
-            *args.overrides,
-        ], run_dir=str(Path(workdir) / "run"))
-        if config.train.num_passes != 1 or config.rollout.temperature != 1.0 or config.algo.use_kl_loss or config.algo.entropy_coef:
+        algo = (
+            ["algo.use_rollout_logprobs=false", "algo.use_tis=true"]
+            if recompute
+            else ["algo.use_rollout_logprobs=true", "algo.use_tis=false"]
+        )
+        config = load_config(
+            None,
+            [
+                f"model.path={model_dir}",
+                f"rollout.rollout_batch_size={args.samples}",
+                "rollout.n_samples_per_prompt=1",
+                "rollout.temperature=1.0",
+                f"train.global_batch_size={args.global_batch}",
+                f"train.micro_batch_size={args.micro_batch}",
+                "train.num_passes=1",
+                f"train.num_threads={args.threads}",
+                *algo,
+                *args.overrides,
+            ],
+            run_dir=str(Path(workdir) / "run"),
+        )
+        if (
+            config.train.num_passes != 1
+            or config.rollout.temperature != 1.0
+            or config.algo.use_kl_loss
+            or config.algo.entropy_coef
+        ):
             parser.error("the plain loop runs one pass at temperature 1 without KL or entropy terms")
         if config.algo.use_rollout_logprobs == recompute or config.algo.use_tis != recompute:
             parser.error("choose the old policy with --old-logprobs, not with algo.use_rollout_logprobs / algo.use_tis")
@@ -215,27 +239,43 @@ def main() -> None:
 
         ours_times, plain_times, ours_cpu, plain_cpu = [], [], [], []
         for rollout_id in range(1, args.repeats + 1):
-            for call, times, cpu in ((lambda: ours.train(rollout_id, table), ours_times, ours_cpu),
-                                     (lambda: plain.train(batch), plain_times, plain_cpu)):
+            for call, times, cpu in (
+                (partial(ours.train, rollout_id, table), ours_times, ours_cpu),
+                (lambda: plain.train(batch), plain_times, plain_cpu),
+            ):
                 started, started_cpu = time.perf_counter(), time.process_time()
                 call()
                 times.append(time.perf_counter() - started)
                 cpu.append(time.process_time() - started_cpu)
 
-    shape = "embedded tiny model" if args.embedded else f"random Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}"
+    shape = (
+        "embedded tiny model"
+        if args.embedded
+        else f"random Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}"
+    )
     ours_s, plain_s = statistics.median(ours_times), statistics.median(plain_times)
     print(f"model: {shape}: {parameters / 1e6:.2f}M parameters, fp32, {args.threads} threads")
-    print(f"rollout: {args.samples} samples x ({args.prompt_tokens} prompt + {args.response_tokens} response) tokens; "
-          f"global batch {config.train.global_batch_size}, micro-batch {config.train.micro_batch_size}; "
-          f"old log-probs: {args.old_logprobs}")
-    print(f"warm-up loss: ours {ours_metrics['loss']:.6f}, plain {plain_loss:.6f}; "
-          f"max |param diff| after it: {diff:.3g}")
+    print(
+        f"rollout: {args.samples} samples x ({args.prompt_tokens} prompt + {args.response_tokens} response) tokens; "
+        f"global batch {config.train.global_batch_size}, micro-batch {config.train.micro_batch_size}; "
+        f"old log-probs: {args.old_logprobs}"
+    )
+    print(
+        f"warm-up loss: ours {ours_metrics['loss']:.6f}, plain {plain_loss:.6f}; max |param diff| after it: {diff:.3g}"
+    )
     print(f"{'side':<8}{'s/step':>10}{'tokens/s':>12}{'CPU s/step':>12}   calls (s)")
-    for label, seconds, times, cpu in (("ours", ours_s, ours_times, ours_cpu), ("plain", plain_s, plain_times, plain_cpu)):
-        print(f"{label:<8}{seconds:>10.3f}{trained_tokens / seconds:>12.0f}{statistics.median(cpu):>12.3f}   "
-              f"{', '.join(f'{t:.3f}' for t in times)}")
-    print("(s/step: median wall seconds of one train call over the rollout; tokens/s: trained response tokens per "
-          "wall second; CPU s/step: median process CPU seconds over all threads)")
+    for label, seconds, times, cpu in (
+        ("ours", ours_s, ours_times, ours_cpu),
+        ("plain", plain_s, plain_times, plain_cpu),
+    ):
+        print(
+            f"{label:<8}{seconds:>10.3f}{trained_tokens / seconds:>12.0f}{statistics.median(cpu):>12.3f}   "
+            f"{', '.join(f'{t:.3f}' for t in times)}"
+        )
+    print(
+        "(s/step: median wall seconds of one train call over the rollout; tokens/s: trained response tokens per "
+        "wall second; CPU s/step: median process CPU seconds over all threads)"
+    )
     print(f"CPU time ratio (ours / plain): {statistics.median(ours_cpu) / statistics.median(plain_cpu):.3f}")
     print(f"train_overhead {ours_s / plain_s:.3f}")
 

@@ -16,7 +16,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="YAML config file (default: the embedded tiny model on addition)")
     run.add_argument("--run-dir", help="run directory (an existing one resumes)")
     run.add_argument("--num-rollout", type=int, help="total rollouts of the run")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field")
+    run.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
+    )
     return parser
 
 
@@ -46,11 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name, summary in summaries.items():
         prefix = f"[{name}] " if name else ""
-        print(f"{prefix}done: {summary['rollouts_trained']} rollouts trained in {summary['run_dir']}; "
-              f"final reward {summary['final_reward_mean']:.3f}")
+        print(
+            f"{prefix}done: {summary['rollouts_trained']} rollouts trained in {summary['run_dir']}; "
+            f"final reward {summary['final_reward_mean']:.3f}"
+        )
         if "greedy_accuracy_final" in summary:
-            print(f"{prefix}greedy accuracy on 200 held-out prompts: {summary['greedy_accuracy_initial']:.3f} (starting model) "
-                  f"-> {summary['greedy_accuracy_final']:.3f} (final checkpoint)")
+            print(
+                f"{prefix}greedy accuracy on 200 held-out prompts: {summary['greedy_accuracy_initial']:.3f} (starting model) "
+                f"-> {summary['greedy_accuracy_final']:.3f} (final checkpoint)"
+            )
     return 0
 
 

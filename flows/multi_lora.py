@@ -61,7 +61,9 @@ def concurrently(
 ) -> Iterator[tuple[AdapterRun, int]]:
     """Each adapter's rollouts in order, the adapters side by side: an adapter's next rollout is submitted when its
     previous one ends. Yields (adapter, rollout_id) as each ends; a chain that failed past its retries raises."""
-    in_flight = {submit(adapter, adapter.rollout_ids().start): (adapter, adapter.rollout_ids().start) for adapter in adapters}
+    in_flight = {
+        submit(adapter, adapter.rollout_ids().start): (adapter, adapter.rollout_ids().start) for adapter in adapters
+    }
     while in_flight:
         future = next(as_completed(list(in_flight)))
         adapter, rollout_id = in_flight.pop(future)

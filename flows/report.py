@@ -17,8 +17,19 @@ from miles.run import RLRun
 from tasks.history import finished_task_runs
 
 TABLE_COLUMNS = (
-    "rollout_id", "reward_mean", "response_length_mean", "failed_samples", "loss", "grad_norm", "clip_fraction",
-    "entropy", "staleness_mean", "time_generate", "time_get", "time_train", "time_sync",
+    "rollout_id",
+    "reward_mean",
+    "response_length_mean",
+    "failed_samples",
+    "loss",
+    "grad_norm",
+    "clip_fraction",
+    "entropy",
+    "staleness_mean",
+    "time_generate",
+    "time_get",
+    "time_train",
+    "time_sync",
 )
 
 

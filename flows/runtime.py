@@ -28,4 +28,8 @@ def drain_task_history(flow, flow_run, state) -> None:
 
 
 # `@flow(name=..., **RL_FLOW_OPTIONS)`: every RL flow leaves its whole history in the API when it ends.
-RL_FLOW_OPTIONS = {"on_completion": [drain_task_history], "on_failure": [drain_task_history], "on_crashed": [drain_task_history]}
+RL_FLOW_OPTIONS = {
+    "on_completion": [drain_task_history],
+    "on_failure": [drain_task_history],
+    "on_crashed": [drain_task_history],
+}

@@ -65,7 +65,9 @@ def latest_checkpoint(root: Path) -> Path | None:
             return checkpoint
         aside = root / f"damaged-{checkpoint.name}-{int(time.time())}"
         os.replace(checkpoint, aside)
-        log.warning("checkpoint %s is damaged (%s); set aside as %s, using the one before it", checkpoint, problem, aside.name)
+        log.warning(
+            "checkpoint %s is damaged (%s); set aside as %s, using the one before it", checkpoint, problem, aside.name
+        )
     return None
 
 
@@ -105,9 +107,10 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def write_checkpoint(target: Path, state: dict[str, Any], write_files: Callable[[Path], None]) -> Path:
-    """Write the checkpoint directory `target`: `write_files(staging)` fills a staging dir beside it, then state.json
-    and the checksums of every file, then one rename. An existing checkpoint (a retried save) is kept as it is."""
+def write_checkpoint(target: Path, rollout_id: int, state: dict[str, Any], write_files: Callable[[Path], None]) -> Path:
+    """Write the checkpoint directory `target` of rollout `rollout_id`: `write_files(staging)` fills a staging dir
+    beside it, then state.json (`state` and the rollout_id) and the checksums of every file, then one rename. An
+    existing checkpoint (a retried save) is kept as it is."""
     if target.exists():
         return target
     root = target.parent
@@ -116,7 +119,7 @@ def write_checkpoint(target: Path, state: dict[str, Any], write_files: Callable[
         shutil.rmtree(unfinished, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".staging-{target.name}-", dir=root))
     write_files(staging)
-    write_json_atomic(staging / STATE_FILE, state)
+    write_json_atomic(staging / STATE_FILE, {**state, "rollout_id": rollout_id})
     _write_checksums(staging)
     if target.exists():  # saved meanwhile by another attempt of the same save
         shutil.rmtree(staging, ignore_errors=True)

@@ -47,12 +47,14 @@ class DataConfig(_Section):
     task: str | None = Field("addition", description="built-in task (see miles.envs); unset when `path` is given")
     path: str | None = Field(None, description="prompt dataset file (.jsonl, .parquet, .arrow)")
     prompt_key: str = "prompt"
-    label_key: str | None = Field("label", description="label column; null for data without labels (a reward that needs none)")
+    label_key: str | None = Field(
+        "label", description="label column; null for data without labels (a reward that needs none)"
+    )
     shuffle: bool = True
     reward: str = Field("exact_match", description="reward name (miles.rewards) or import path 'pkg.mod:fn'")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "DataConfig":
+    def _one_source(self) -> DataConfig:
         if (self.task is None) == (self.path is None):
             raise ValueError("set exactly one of data.task and data.path")
         return self
@@ -62,16 +64,23 @@ class SGLangConfig(_Section):
     """SGLang servers (`rollout.engine: sglang`), one per engine actor, driven over their HTTP API."""
 
     python: str | None = Field(
-        None, description="the Python of SGLang's environment (SGLang pins its own torch and transformers); unset: this one"
+        None,
+        description="the Python of SGLang's environment (SGLang pins its own torch and transformers); unset: this one",
     )
-    server_module: str = Field("sglang.launch_server", description="module started as `<python> -m <module> --model-path ...`")
+    server_module: str = Field(
+        "sglang.launch_server", description="module started as `<python> -m <module> --model-path ...`"
+    )
     tp_size: int = Field(1, gt=0, description="tensor-parallel GPUs per server")
     mem_fraction_static: float | None = Field(
         None, gt=0, lt=1, description="GPU memory share for weights and KV cache; unset: SGLang's choice"
     )
     max_loras_per_batch: int = Field(8, gt=0, description="adapters (the base counts as one) in one batch")
-    extra_args: list[str] = Field(default_factory=list, description="further launch_server flags, e.g. ['--attention-backend', 'fa3']")
-    startup_timeout_s: float = Field(900.0, gt=0, description="a server not answering /health_generate by then fails to start")
+    extra_args: list[str] = Field(
+        default_factory=list, description="further launch_server flags, e.g. ['--attention-backend', 'fa3']"
+    )
+    startup_timeout_s: float = Field(
+        900.0, gt=0, description="a server not answering /health_generate by then fails to start"
+    )
     health_timeout_s: float = Field(20.0, gt=0, description="a /health_generate slower than this marks the server dead")
     weights_dir: str | None = Field(
         None, description="where pushed weights are written for /update_weights_from_disk; unset: the system temp dir"
@@ -79,7 +88,9 @@ class SGLangConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["torch", "sglang"] = Field("torch", description="torch: TorchEngine actors; sglang: SGLang servers (make install-gpu)")
+    engine: Literal["torch", "sglang"] = Field(
+        "torch", description="torch: TorchEngine actors; sglang: SGLang servers (make install-gpu)"
+    )
     num_engines: int = Field(1, gt=0)
     rollout_batch_size: int = Field(64, gt=0, description="prompts per rollout")
     n_samples_per_prompt: int = Field(8, gt=0)
@@ -106,7 +117,9 @@ class AlgoConfig(_Section):
     kl_loss_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
     use_rollout_logprobs: bool = Field(False, description="engine log-probs as the old policy instead of a recompute")
-    use_tis: bool = Field(True, description="truncated importance sampling: weight tokens by exp(trainer_old - rollout) logp")
+    use_tis: bool = Field(
+        True, description="truncated importance sampling: weight tokens by exp(trainer_old - rollout) logp"
+    )
     tis_clip: float = Field(2.0, gt=0, description="upper clamp of the TIS weight")
     tis_clip_low: float = Field(0.0, ge=0, description="lower clamp of the TIS weight")
 
@@ -138,10 +151,12 @@ class AdapterConfig(_Section):
     num_steps: int = Field(100, gt=0, description="rollouts this adapter trains on before it retires")
     rollout_batch_size: int = Field(32, gt=0, description="prompts per rollout")
     n_samples_per_prompt: int = Field(8, gt=0)
-    global_batch_size: int | None = Field(None, gt=0, description="samples per optimizer step; unset: the whole rollout")
+    global_batch_size: int | None = Field(
+        None, gt=0, description="samples per optimizer step; unset: the whole rollout"
+    )
 
     @model_validator(mode="after")
-    def _batch_shape(self) -> "AdapterConfig":
+    def _batch_shape(self) -> AdapterConfig:
         samples = self.rollout_batch_size * self.n_samples_per_prompt
         if self.global_batch_size is not None and samples % self.global_batch_size:
             raise ValueError(
@@ -154,8 +169,15 @@ class AdapterConfig(_Section):
 def embedded_adapters() -> list[AdapterConfig]:
     """The multi-LoRA default on the embedded model: one adapter per built-in task, each its own reward signal."""
     return [
-        AdapterConfig(name=task, data=DataConfig(task=task), lr=3e-3, num_steps=100, rollout_batch_size=64,
-                      n_samples_per_prompt=8, global_batch_size=256)
+        AdapterConfig(
+            name=task,
+            data=DataConfig(task=task),
+            lr=3e-3,
+            num_steps=100,
+            rollout_batch_size=64,
+            n_samples_per_prompt=8,
+            global_batch_size=256,
+        )
         for task in ("addition", "subtraction")
     ]
 
@@ -167,7 +189,9 @@ class RunConfig(_Section):
     save_interval: int = Field(50, gt=0, description="checkpoint every N rollouts (and at the end)")
     update_weights_interval: int = Field(1, gt=0, description="push weights to the engines every N rollouts")
     iterations_per_run: int | None = Field(
-        None, gt=0, description="train at most this many rollouts per flow run, then checkpoint and exit (scheduled runs)"
+        None,
+        gt=0,
+        description="train at most this many rollouts per flow run, then checkpoint and exit (scheduled runs)",
     )
     ray_address: str | None = Field(None, description="existing Ray cluster; unset starts a local one")
     model: ModelConfig = ModelConfig()
@@ -176,11 +200,12 @@ class RunConfig(_Section):
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
     adapters: list[AdapterConfig] = Field(
-        default_factory=list, description="LoRA adapters of the multi-LoRA flow; unset on the embedded model: one per built-in task"
+        default_factory=list,
+        description="LoRA adapters of the multi-LoRA flow; unset on the embedded model: one per built-in task",
     )
 
     @model_validator(mode="after")
-    def _batch_shapes(self) -> "RunConfig":
+    def _batch_shapes(self) -> RunConfig:
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(
@@ -188,7 +213,9 @@ class RunConfig(_Section):
                 f"rollout.rollout_batch_size x rollout.n_samples_per_prompt ({samples})"
             )
         if self.algo.tis_clip_low > self.algo.tis_clip:
-            raise ValueError(f"algo.tis_clip_low ({self.algo.tis_clip_low}) must not exceed algo.tis_clip ({self.algo.tis_clip})")
+            raise ValueError(
+                f"algo.tis_clip_low ({self.algo.tis_clip_low}) must not exceed algo.tis_clip ({self.algo.tis_clip})"
+            )
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise ValueError(
                 f"train.micro_batch_size ({self.train.micro_batch_size}) must divide "
@@ -209,7 +236,7 @@ class RunConfig(_Section):
     def samples_per_rollout(self) -> int:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
 
-    def adapter_view(self, adapter: AdapterConfig) -> "RunConfig":
+    def adapter_view(self, adapter: AdapterConfig) -> RunConfig:
         """The run as one adapter sees it: its data, batch sizes, lr, step budget and seed, in <run_dir>/adapters/<name>."""
         samples = adapter.rollout_batch_size * adapter.n_samples_per_prompt
         global_batch = adapter.global_batch_size or samples
@@ -221,8 +248,14 @@ class RunConfig(_Section):
             data=adapter.data.model_dump(),
             adapters=[],
         )
-        data["rollout"].update(rollout_batch_size=adapter.rollout_batch_size, n_samples_per_prompt=adapter.n_samples_per_prompt)
-        data["train"].update(lr=adapter.lr, global_batch_size=global_batch, micro_batch_size=min(self.train.micro_batch_size, global_batch))
+        data["rollout"].update(
+            rollout_batch_size=adapter.rollout_batch_size, n_samples_per_prompt=adapter.n_samples_per_prompt
+        )
+        data["train"].update(
+            lr=adapter.lr,
+            global_batch_size=global_batch,
+            micro_batch_size=min(self.train.micro_batch_size, global_batch),
+        )
         try:
             return RunConfig.model_validate(data)
         except ValidationError as err:

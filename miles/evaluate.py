@@ -15,7 +15,9 @@ def eval_rows(task: str, n: int, seed: int) -> list[dict[str, str]]:
 
 
 @torch.inference_mode()
-def greedy_accuracy(model, tokenizer, rows: list[dict[str, str]], max_new_tokens: int = 4, batch_size: int = 256) -> float:
+def greedy_accuracy(
+    model, tokenizer, rows: list[dict[str, str]], max_new_tokens: int = 4, batch_size: int = 256
+) -> float:
     """Share of rows whose greedy answer equals the label and ends with EOS."""
     was_training = model.training
     model.eval()
@@ -31,7 +33,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict[str, str]], max_new_tokens
             eos_token_id=tokenizer.eos_token_id,
         )
         new_tokens = out[:, enc["input_ids"].shape[1] :].tolist()
-        for row, tokens in zip(chunk, new_tokens):
+        for row, tokens in zip(chunk, new_tokens, strict=True):
             if tokenizer.eos_token_id not in tokens:
                 continue
             answer = tokenizer.decode(tokens[: tokens.index(tokenizer.eos_token_id)], skip_special_tokens=True)
@@ -40,7 +42,9 @@ def greedy_accuracy(model, tokenizer, rows: list[dict[str, str]], max_new_tokens
     return correct / len(rows)
 
 
-def evaluate_checkpoint(model_dir: str | Path, task: str, n: int = 200, seed: int = 1234, adapter_dir: str | Path | None = None) -> float:
+def evaluate_checkpoint(
+    model_dir: str | Path, task: str, n: int = 200, seed: int = 1234, adapter_dir: str | Path | None = None
+) -> float:
     """Greedy accuracy of a Hugging Face model directory (with a PEFT adapter directory on top, if given) on `n`
     random prompts of the task."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -24,6 +24,7 @@ from miles.rewards import RewardFn
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.rollout_executor import RolloutExecutor, summarize
 from miles.rollout.schema import rollout_metadata
+from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Iterations:
         self.plan = plan
         self.adapter = adapter
         self.label = f"{adapter}, " if adapter else ""
-        self.store = self.run_dir.rollout_store()
+        self.store = RolloutStore(self.run_dir.rollouts)
         self.data_source = DataSource(inputs.rows, seed=self.config.seed, shuffle=self.config.data.shuffle)
         if plan.data_state:
             self.data_source.load_state_dict(plan.data_state)
@@ -81,7 +82,9 @@ class Iterations:
                 self._metrics[rollout_id] = trained[rollout_id]
                 self._append_metrics(self._iteration_record(rollout_id))
 
-    def restore(self, start: Callable[[Path | None], Trainer], train: Callable[[Trainer, int, pa.Table], Any]) -> Trainer:
+    def restore(
+        self, start: Callable[[Path | None], Trainer], train: Callable[[Trainer, int, pa.Table], Any]
+    ) -> Trainer:
         """`start(checkpoint)` with the latest intact checkpoint, then `train(trainer, rollout_id, table)` on each
         rollout trained after it, from its stored file and handed over at trainer version rollout_id as when first
         trained: the trainer comes out with the weights it had. Used at the start and after a trainer died.
@@ -94,7 +97,11 @@ class Iterations:
             table, _ = self.executor.get(rollout_id, trainer_version=rollout_id)
             train(trainer, rollout_id, table)
         if plan.replay:
-            log.warning("%sre-trained rollouts %s from their stored files onto the latest checkpoint", self.label, list(plan.replay))
+            log.warning(
+                "%sre-trained rollouts %s from their stored files onto the latest checkpoint",
+                self.label,
+                list(plan.replay),
+            )
         return trainer
 
     def rollout_ids(self) -> range:

@@ -26,6 +26,7 @@ from miles.iterations import Iterations, PolicyInputs
 from miles.progress import AdapterReporter, ProgressLine
 from miles.resume import ResumePlan
 from miles.rollout.inference_controller import InferenceController
+from miles.rollout.store import RolloutStore
 from miles.run import check_context, check_inputs, initial_model
 from miles.run_dir import RunDir
 from miles.train.lora import LoRATrainActor
@@ -82,7 +83,7 @@ class AdapterRun:
         self.trainer = trainer
         self.initial_model = initial_model
         self.retired = False
-        self.plan = ResumePlan.read(self.run_dir, self.run_dir.rollout_store(), self.label)
+        self.plan = ResumePlan.read(self.run_dir, RolloutStore(self.run_dir.rollouts), self.label)
         self.iterations = Iterations(inputs, self.plan, controller, tokenizer, adapter=adapter.name)
         self.reporter = AdapterReporter(progress, adapter.name, self.config.num_rollout)
         if self.rollout_ids():
@@ -168,7 +169,8 @@ class MultiLoRARun:
 
     def __init__(self, config: RunConfig):
         checked = check_adapter_inputs(config)
-        self.config = config = config.model_copy(update={"adapters": resolve_adapters(config)})
+        config = config.model_copy(update={"adapters": resolve_adapters(config)})
+        self.config = config
         self.run_dir = RunDir(config.run_dir).create()
         self.adapters: dict[str, AdapterRun] = {}
         with ExitStack() as started:  # an error on the way releases what was taken so far
@@ -186,8 +188,13 @@ class MultiLoRARun:
             started.callback(progress.close)
             for adapter in config.adapters:
                 self.adapters[adapter.name] = AdapterRun(
-                    adapter, checked[adapter.name], controller=self.controller, trainer=self.trainer,
-                    tokenizer=tokenizer, initial_model=self.initial_model, progress=progress,
+                    adapter,
+                    checked[adapter.name],
+                    controller=self.controller,
+                    trainer=self.trainer,
+                    tokenizer=tokenizer,
+                    initial_model=self.initial_model,
+                    progress=progress,
                 )
             progress.update(sum(a.plan.first_rollout_id for a in self.adapters.values()))
             self._record_start()
@@ -209,8 +216,10 @@ class MultiLoRARun:
 
     def _restored_trainer(self) -> ray.actor.ActorHandle:
         """A LoRA trainer holding every adapter still training, each restored from its checkpoint and ledger."""
-        trainer = ray.remote(LoRATrainActor).options(**actor_options(self.config.train.device)).remote(
-            self.config, str(self.initial_model), self.config.train.device
+        trainer = (
+            ray.remote(LoRATrainActor)
+            .options(**actor_options(self.config.train.device))
+            .remote(self.config, str(self.initial_model), self.config.train.device)
         )
         for adapter in self.adapters.values():
             if adapter.rollout_ids() and not adapter.retired:

@@ -15,7 +15,10 @@ def plot_reward_curve(metrics_path: Path, out: Path, window: int = 20) -> Path:
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     ids = [r["rollout_id"] for r in records]
     rewards = [r["reward_mean"] for r in records]
-    smoothed = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
+    smoothed = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot(ids, rewards, color="#9bb7d4", linewidth=1, label="reward per rollout")
     ax.plot(ids, smoothed, color="#1f4e79", linewidth=2, label=f"mean of the last {window}")

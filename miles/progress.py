@@ -30,8 +30,13 @@ class ProgressLine:
         self.progress = None
         if sys.stdout.isatty():
             self.progress = Progress(
-                TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TimeRemainingColumn(), TextColumn("{task.description}"), console=Console(),
+                TextColumn(f"[bold]{label}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                console=Console(),
             )
             self.task = self.progress.add_task("", total=total, completed=done)
             self.progress.start()

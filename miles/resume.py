@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.checkpoint import read_state
+from miles.checkpoint import latest_checkpoint, read_state
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 
@@ -29,7 +29,7 @@ class ResumePlan:
 
     @classmethod
     def read(cls, run_dir: RunDir, store: RolloutStore, label: str = "") -> ResumePlan:
-        checkpoint = run_dir.latest_checkpoint()
+        checkpoint = latest_checkpoint(run_dir.checkpoints)
         state = read_state(checkpoint) if checkpoint else None
         last_saved = state["rollout_id"] if state else -1
         trained = sorted(k for k in run_dir.ledger().trained if k > last_saved)

@@ -27,6 +27,7 @@ from miles.progress import IterationReporter
 from miles.resume import ResumePlan
 from miles.rewards import resolve_reward
 from miles.rollout.inference_controller import InferenceController
+from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
 
@@ -88,7 +89,7 @@ class RLRun:
             self.initial_model = initial_model(self.run_dir, config, [config.data.task])
             tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
             check_context(inputs, tokenizer, self.initial_model)
-            plan = ResumePlan.read(self.run_dir, self.run_dir.rollout_store())
+            plan = ResumePlan.read(self.run_dir, RolloutStore(self.run_dir.rollouts))
             self._record_start(plan)
             ensure_ray(config.ray_address, actors=config.ray_actors)
             self.controller = self._start_engines(plan)
@@ -102,11 +103,15 @@ class RLRun:
             self._resources = started.pop_all()
 
     def _record_start(self, plan: ResumePlan) -> None:
-        self.run_dir.record_start(self.config.model_dump(mode="json"), self.initial_model, {
-            "rollout_id": plan.first_rollout_id,
-            "checkpoint": str(plan.checkpoint) if plan.checkpoint else None,
-            "replayed": list(plan.replay),
-        })
+        self.run_dir.record_start(
+            self.config.model_dump(mode="json"),
+            self.initial_model,
+            {
+                "rollout_id": plan.first_rollout_id,
+                "checkpoint": str(plan.checkpoint) if plan.checkpoint else None,
+                "replayed": list(plan.replay),
+            },
+        )
 
     def _start_engines(self, plan: ResumePlan) -> InferenceController:
         """Engines on the checkpoint's weights (else the starting model's), at the checkpoint's weight version."""
@@ -117,8 +122,15 @@ class RLRun:
         """A TrainActor from the latest intact checkpoint, re-trained on the rollouts trained after it."""
 
         def start(checkpoint: Path | None) -> ray.actor.ActorHandle:
-            return ray.remote(TrainActor).options(**actor_options(self.config.train.device)).remote(
-                self.config, str(self.initial_model), str(checkpoint) if checkpoint else None, self.config.train.device
+            return (
+                ray.remote(TrainActor)
+                .options(**actor_options(self.config.train.device))
+                .remote(
+                    self.config,
+                    str(self.initial_model),
+                    str(checkpoint) if checkpoint else None,
+                    self.config.train.device,
+                )
             )
 
         def train(trainer: ray.actor.ActorHandle, rollout_id: int, table: pa.Table) -> None:

@@ -10,7 +10,8 @@
         adapters/<name>/    one adapter's own run directory (multi-LoRA)
         reward_curve.png
 
-Light on imports on purpose: the config names adapter directories through it before anything heavy loads.
+It imports nothing heavy: the config names adapter directories through it. The files' formats live with their
+code (miles.checkpoint, miles.rollout.store); the run directory says where they go.
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ import os
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from miles.atomic import write_json_atomic
-
-if TYPE_CHECKING:
-    from miles.rollout.store import RolloutStore
 
 log = logging.getLogger(__name__)
 
@@ -76,21 +74,6 @@ class RunDir:
     def ledger(self) -> Ledger:
         """The ledger as it is on disk now (the trainer actor writes it from its own process)."""
         return Ledger(self.path / "ledger.json")
-
-    def rollout_store(self) -> RolloutStore:
-        from miles.rollout.store import RolloutStore  # pyarrow: kept out of the config's imports
-
-        return RolloutStore(self.rollouts)
-
-    def latest_checkpoint(self) -> Path | None:
-        from miles.checkpoint import latest_checkpoint  # torch: kept out of the config's imports
-
-        return latest_checkpoint(self.checkpoints)
-
-    def write_checkpoint(self, rollout_id: int, state: dict[str, Any], write_files) -> Path:
-        from miles.checkpoint import write_checkpoint
-
-        return write_checkpoint(self.checkpoint(rollout_id), {**state, "rollout_id": rollout_id}, write_files)
 
     # metrics.jsonl: one line per finished iteration, appended once per rollout_id.
 

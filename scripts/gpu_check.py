@@ -52,15 +52,26 @@ def _requests(tokenizer, count: int, group: int, max_new: int, stop: bool, adapt
     sampling = SamplingParams(max_new_tokens=max_new, stop_token_ids=(tokenizer.eos_token_id,) if stop else ())
     prompts = [f"{a}+{(7 * a) % 100}=" for a in range(count // group)]
     ids = tokenizer(prompts)["input_ids"]
-    return prompts, [GenerateRequest(prompt_ids=p, sampling=sampling, adapter=adapter, seed=seed + i * group + j)
-                     for i, p in enumerate(ids) for j in range(group)]
+    return prompts, [
+        GenerateRequest(prompt_ids=p, sampling=sampling, adapter=adapter, seed=seed + i * group + j)
+        for i, p in enumerate(ids)
+        for j in range(group)
+    ]
 
 
 def _table(requests, results, rewards, group: int) -> pa.Table:
     n = len(results)
-    return samples_table(requests, results, rollout_id=0, first_index=0, group_index=[i // group for i in range(n)],
-                         raw_reward=rewards, status=["completed"] * n, label=[""] * n,
-                         advantage=grpo_advantages(torch.tensor(rewards).numpy(), torch.arange(n).numpy() // group).tolist())
+    return samples_table(
+        requests,
+        results,
+        rollout_id=0,
+        first_index=0,
+        group_index=[i // group for i in range(n)],
+        raw_reward=rewards,
+        status=["completed"] * n,
+        label=[""] * n,
+        advantage=grpo_advantages(torch.tensor(rewards).numpy(), torch.arange(n).numpy() // group).tolist(),
+    )
 
 
 def _logprob_gap(model, table: pa.Table, config) -> float:
@@ -72,8 +83,17 @@ def _logprob_gap(model, table: pa.Table, config) -> float:
 
 def check_full_model(root: Path, tokenizer) -> bool:
     model_dir = _model_dir(root, "tiny", TinyModelConfig())
-    config = load_config(None, [f"model.path={model_dir}", "rollout.rollout_batch_size=32", "train.global_batch_size=64",
-                                "train.micro_batch_size=64", f"train.device={DEVICE}"], run_dir=str(root / "run"))
+    config = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "rollout.rollout_batch_size=32",
+            "train.global_batch_size=64",
+            "train.micro_batch_size=64",
+            f"train.device={DEVICE}",
+        ],
+        run_dir=str(root / "run"),
+    )
     engine = TorchEngine(str(model_dir), device=DEVICE)
     trainer = TrainActor(config, str(model_dir), device=DEVICE)
     reward = resolve_reward("digit_match")
@@ -83,14 +103,16 @@ def check_full_model(root: Path, tokenizer) -> bool:
         results = engine.generate(requests)
         texts = tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
         labels = [str(sum(map(int, p[:-1].split("+")))) for p in prompts for _ in range(8)]
-        rewards = [float(reward(t, l, True)) for t, l in zip(texts, labels)]
+        rewards = [float(reward(t, l, True)) for t, l in zip(texts, labels, strict=True)]
         table = _table(requests, results, rewards, 8)
         gap = _logprob_gap(trainer.model, table, config)
         metrics = trainer.train(rollout_id, table)
         engine.update_weights(trainer.weights(), rollout_id + 1)
         ok &= gap < 1e-4
-        print(f"full model, rollout {rollout_id}: reward {sum(rewards) / len(rewards):.3f}, engine-vs-trainer "
-              f"log-prob max gap {gap:.2e}, loss {metrics['loss']:.4f}, {metrics['optimizer_steps']} steps")
+        print(
+            f"full model, rollout {rollout_id}: reward {sum(rewards) / len(rewards):.3f}, engine-vs-trainer "
+            f"log-prob max gap {gap:.2e}, loss {metrics['loss']:.4f}, {metrics['optimizer_steps']} steps"
+        )
     return ok
 
 
@@ -100,14 +122,18 @@ def check_multi_lora(root: Path, tokenizer) -> bool:
     trainer = LoRATrainActor(config, str(model_dir), device=DEVICE)
     engine = TorchEngine(str(model_dir), device=DEVICE)
     ok = True
-    adapters = [AdapterConfig(name=n, data=DataConfig(task="addition"), rollout_batch_size=8) for n in ("add-a", "add-b")]
+    adapters = [
+        AdapterConfig(name=n, data=DataConfig(task="addition"), rollout_batch_size=8) for n in ("add-a", "add-b")
+    ]
     for adapter in adapters:
         trainer.add_adapter(adapter, config.adapter_view(adapter))
         _, requests = _requests(tokenizer, 64, 8, 4, stop=True)
         results = engine.generate(requests)
         rewards = [float(len(r.output_ids) == 3) for r in results]  # any signal: trains the adapter off its init
         trainer.train(adapter.name, 0, _table(requests, results, rewards, 8))
-        engine.load_adapter(adapter.name, trainer.adapter_weights(adapter.name), trainer.adapter_config(adapter.name), 1)
+        engine.load_adapter(
+            adapter.name, trainer.adapter_weights(adapter.name), trainer.adapter_config(adapter.name), 1
+        )
     mixed = []
     for i, adapter in enumerate(adapters):
         mixed += _requests(tokenizer, 32, 4, 4, stop=True, adapter=adapter.name, seed=100 * i)[1]
@@ -123,8 +149,13 @@ def check_multi_lora(root: Path, tokenizer) -> bool:
 
 
 def check_throughput(root: Path, tokenizer, hidden: int, layers: int, batch: int, new_tokens: int) -> None:
-    shape = TinyModelConfig(hidden_size=hidden, num_layers=layers, num_heads=hidden // 64, intermediate_size=hidden * 4,
-                            max_position_embeddings=64 + new_tokens)
+    shape = TinyModelConfig(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=hidden // 64,
+        intermediate_size=hidden * 4,
+        max_position_embeddings=64 + new_tokens,
+    )
     model_dir = _model_dir(root, "large", shape)
     engine = TorchEngine(str(model_dir), device=DEVICE)
     _, requests = _requests(tokenizer, batch, 8, new_tokens, stop=False)
@@ -135,11 +166,22 @@ def check_throughput(root: Path, tokenizer, hidden: int, layers: int, batch: int
     seconds = time.perf_counter() - started
     tokens = sum(len(r.output_ids) for r in results)
     params = sum(p.numel() for p in engine.model.parameters())
-    print(f"engine throughput: {params / 1e6:.0f}M-parameter Llama, fp32, batch {batch} x {new_tokens} new tokens: "
-          f"{tokens / seconds:,.0f} tokens/s ({seconds:.2f} s)")
+    print(
+        f"engine throughput: {params / 1e6:.0f}M-parameter Llama, fp32, batch {batch} x {new_tokens} new tokens: "
+        f"{tokens / seconds:,.0f} tokens/s ({seconds:.2f} s)"
+    )
     del engine
-    config = load_config(None, [f"model.path={model_dir}", f"train.global_batch_size={batch}", f"train.micro_batch_size={min(batch, 128)}",
-                                f"rollout.rollout_batch_size={batch // 8}", f"train.device={DEVICE}"], run_dir=str(root / "large-run"))
+    config = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            f"train.global_batch_size={batch}",
+            f"train.micro_batch_size={min(batch, 128)}",
+            f"rollout.rollout_batch_size={batch // 8}",
+            f"train.device={DEVICE}",
+        ],
+        run_dir=str(root / "large-run"),
+    )
     trainer = TrainActor(config, str(model_dir), device=DEVICE)
     table = _table(requests, results, [float(i % 3) for i in range(batch)], 8)
     trainer.train(0, table)  # warm-up
@@ -148,8 +190,10 @@ def check_throughput(root: Path, tokenizer, hidden: int, layers: int, batch: int
     trainer.train(1, table)
     _synchronize()
     seconds = time.perf_counter() - started
-    trained = sum(len(q.prompt_ids) + len(r.output_ids) for q, r in zip(requests, results))
-    print(f"trainer throughput: same model, {batch} samples, micro-batch 128: {trained / seconds:,.0f} tokens/s ({seconds:.2f} s per step)")
+    trained = sum(len(q.prompt_ids) + len(r.output_ids) for q, r in zip(requests, results, strict=True))
+    print(
+        f"trainer throughput: same model, {batch} samples, micro-batch 128: {trained / seconds:,.0f} tokens/s ({seconds:.2f} s per step)"
+    )
 
 
 def main() -> int:

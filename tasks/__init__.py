@@ -7,4 +7,13 @@ from tasks.get import get
 from tasks.train import train_step
 from tasks.weights import push_adapter, retire_adapter, sync_weights
 
-__all__ = ["generate", "get", "train_step", "sync_weights", "push_adapter", "retire_adapter", "save_checkpoint", "evaluate"]
+__all__ = [
+    "generate",
+    "get",
+    "train_step",
+    "sync_weights",
+    "push_adapter",
+    "retire_adapter",
+    "save_checkpoint",
+    "evaluate",
+]

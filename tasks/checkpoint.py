@@ -5,7 +5,9 @@ from miles.run import RLRun
 from tasks.options import task_options
 
 
-@task(name="save_checkpoint", task_run_name="save_checkpoint[{run.label}rollout={rollout_id}]", **task_options(retries=2))
+@task(
+    name="save_checkpoint", task_run_name="save_checkpoint[{run.label}rollout={rollout_id}]", **task_options(retries=2)
+)
 def save_checkpoint(run: RLRun | AdapterRun, rollout_id: int) -> str:
     """Write the run's checkpoints/<rollout_id>/ atomically; an existing one is kept."""
     return run.save_checkpoint(rollout_id)

@@ -64,6 +64,8 @@ def _read_file(path: Path, prompt_key: str, label_key: str | None) -> list[dict[
             raise ValueError(f"{path}: row {index}: {prompt_key!r} must be a non-empty string")
         label = None if label_key is None else record.get(label_key)
         if label_key is not None and label is None:
-            raise ValueError(f"{path}: row {index} has no {label_key!r} value (data.label_key; set it to null for data without labels)")
+            raise ValueError(
+                f"{path}: row {index} has no {label_key!r} value (data.label_key; set it to null for data without labels)"
+            )
         rows.append({"prompt": prompt, "label": "" if label is None else str(label)})
     return rows

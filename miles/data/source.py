@@ -18,7 +18,9 @@ class DataSource:
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
             n = len(self.rows)
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)}
+            self._orders = {
+                epoch: np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            }
         return self._orders[epoch]
 
     def peek(self, count: int) -> list[dict[str, str]]:

@@ -42,10 +42,18 @@ _POLL_S = 0.5
 
 
 class SGLangEngine:
-    def __init__(self, model_dir: str, weight_version: int = 0, device: str = "cuda", config: SGLangConfig = SGLangConfig(),
-                 timeout_s: float = 600.0, lora_rank: int | None = None, lora_target_modules: list[str] | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        weight_version: int = 0,
+        device: str = "cuda",
+        config: SGLangConfig | None = None,
+        timeout_s: float = 600.0,
+        lora_rank: int | None = None,
+        lora_target_modules: list[str] | None = None,
+    ):
         self.model_dir = Path(model_dir)
-        self.config = config
+        self.config = config or SGLangConfig()
         self._weight_version = weight_version
         self._adapter_versions: dict[str, int] = {}
         self._work_dir = Path(tempfile.mkdtemp(prefix="miles-sglang-", dir=config.weights_dir))
@@ -54,21 +62,46 @@ class SGLangEngine:
         self.url = f"http://127.0.0.1:{port}"
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
         command = [
-            config.python or sys.executable, "-m", config.server_module, "--model-path", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--device", device.split(":")[0], "--tp-size", str(config.tp_size),
-            "--weight-version", str(weight_version),
+            config.python or sys.executable,
+            "-m",
+            config.server_module,
+            "--model-path",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            device.split(":")[0],
+            "--tp-size",
+            str(config.tp_size),
+            "--weight-version",
+            str(weight_version),
         ]
         if config.mem_fraction_static is not None:
             command += ["--mem-fraction-static", str(config.mem_fraction_static)]
         if lora_rank is not None:
-            command += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras-per-batch", str(config.max_loras_per_batch),
-                        "--lora-target-modules", *(lora_target_modules or [])]
+            command += [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(lora_rank),
+                "--max-loras-per-batch",
+                str(config.max_loras_per_batch),
+                "--lora-target-modules",
+                *(lora_target_modules or []),
+            ]
         command += config.extra_args
         with open(self._log_path, "ab") as server_log:
             # Its own process group, so shutdown stops the server's workers too; and it dies with this actor, so a
             # killed actor never leaves a server holding the GPU and the port.
-            self._process = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
+            self._process = subprocess.Popen(
+                command,
+                stdout=server_log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         self._wait_until_ready(config.startup_timeout_s)
 
     def _wait_until_ready(self, timeout_s: float) -> None:
@@ -79,7 +112,11 @@ class SGLangEngine:
                 return
             time.sleep(_POLL_S)
         exited = self._process.poll()
-        what = f"exited with code {exited}" if exited is not None else f"did not answer /health_generate within {timeout_s:g} s"
+        what = (
+            f"exited with code {exited}"
+            if exited is not None
+            else f"did not answer /health_generate within {timeout_s:g} s"
+        )
         message = f"sglang server at {self.url} {what} while starting; its log ends:\n{self._log_tail()}"
         self.shutdown()
         raise RuntimeError(message)
@@ -97,15 +134,21 @@ class SGLangEngine:
         try:
             response = self._http.post(path, json=body if body is not None else {})
         except httpx.TimeoutException as exc:
-            raise EngineUnavailable(f"sglang server at {self.url}: no answer to {path} within the timeout ({exc!r})") from None
+            raise EngineUnavailable(
+                f"sglang server at {self.url}: no answer to {path} within the timeout ({exc!r})"
+            ) from None
         except httpx.TransportError as exc:
             exited = self._process.poll()
             state = f"exited with code {exited}; its log ends:\n{self._log_tail()}" if exited is not None else "running"
             raise EngineUnavailable(f"sglang server at {self.url}: {path} failed: {exc!r} (server {state})") from None
         if response.status_code >= 500:
-            raise EngineUnavailable(f"sglang server at {self.url}: {path} answered {response.status_code}: {response.text[:500]}")
+            raise EngineUnavailable(
+                f"sglang server at {self.url}: {path} answered {response.status_code}: {response.text[:500]}"
+            )
         if response.status_code >= 400:
-            raise ValueError(f"sglang server at {self.url} refused {path} ({response.status_code}): {response.text[:500]}")
+            raise ValueError(
+                f"sglang server at {self.url} refused {path} ({response.status_code}): {response.text[:500]}"
+            )
         return response
 
     def weight_version(self) -> int:
@@ -135,19 +178,29 @@ class SGLangEngine:
             body["lora_path"] = [r.adapter for r in requests]
         outputs = self._post("/generate", body).json()
         if len(outputs) != len(requests):
-            raise EngineUnavailable(f"sglang server at {self.url} answered {len(outputs)} outputs for {len(requests)} requests")
-        results = [self._result(request, output["meta_info"]) for request, output in zip(requests, outputs)]
+            raise EngineUnavailable(
+                f"sglang server at {self.url} answered {len(outputs)} outputs for {len(requests)} requests"
+            )
+        results = [
+            self._result(request, output["meta_info"]) for request, output in zip(requests, outputs, strict=True)
+        ]
         aborted = [i for i, r in enumerate(results) if r.finish_reason == "abort"]
         if aborted:  # nothing here pauses a generation, so an abort is the server's failure; a retry regenerates
             message = outputs[aborted[0]]["meta_info"]["finish_reason"].get("message", "")
-            raise RuntimeError(f"sglang server at {self.url} aborted {len(aborted)} of {len(requests)} requests: {message}")
+            raise RuntimeError(
+                f"sglang server at {self.url} aborted {len(aborted)} of {len(requests)} requests: {message}"
+            )
         return results
 
     def _result(self, request: GenerateRequest, meta: dict) -> GenerateResult:
         pairs = meta["output_token_logprobs"]  # [(logprob, token_id, text or None), ...]
         version = self._adapter_versions[request.adapter] if request.adapter else int(meta["weight_version"])
-        return GenerateResult(output_ids=[int(p[1]) for p in pairs], logprobs=[float(p[0]) for p in pairs],
-                              finish_reason=meta["finish_reason"]["type"], weight_version=version)
+        return GenerateResult(
+            output_ids=[int(p[1]) for p in pairs],
+            logprobs=[float(p[0]) for p in pairs],
+            finish_reason=meta["finish_reason"]["type"],
+            weight_version=version,
+        )
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         if self._adapter_versions:
@@ -161,16 +214,23 @@ class SGLangEngine:
             self._flush_cache()
             self._post("/begin_weight_update")
             try:
-                answer = self._post("/update_weights_from_disk", {
-                    "model_path": str(directory), "weight_version": str(version), "flush_cache": False,
-                    "abort_all_requests": False,
-                }).json()
+                answer = self._post(
+                    "/update_weights_from_disk",
+                    {
+                        "model_path": str(directory),
+                        "weight_version": str(version),
+                        "flush_cache": False,
+                        "abort_all_requests": False,
+                    },
+                ).json()
             finally:
                 self._post("/end_weight_update")
         finally:
             self._post("/continue_generation")
         if not answer.get("success", False):
-            raise RuntimeError(f"sglang server at {self.url} failed to load weights version {version}: {answer.get('message')}")
+            raise RuntimeError(
+                f"sglang server at {self.url} failed to load weights version {version}: {answer.get('message')}"
+            )
         self._weight_version = version
         shutil.rmtree(previous, ignore_errors=True)
 
@@ -234,7 +294,11 @@ def _write_model(model_dir: Path, named_tensors: dict[str, torch.Tensor], direct
     """A model directory SGLang loads: the model's config and tokenizer files, and the weights as safetensors."""
     directory.mkdir(parents=True, exist_ok=True)
     for path in model_dir.iterdir():
-        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".pt")) and path.name != "model.safetensors.index.json":
+        if (
+            path.is_file()
+            and not path.name.endswith((".safetensors", ".bin", ".pt"))
+            and path.name != "model.safetensors.index.json"
+        ):
             shutil.copy2(path, directory / path.name)
     save_file(_unshared(named_tensors), directory / "model.safetensors", metadata={"format": "pt"})
 

@@ -47,7 +47,9 @@ class TorchEngine:
         result = set_peft_model_state_dict(self.model, named_tensors, adapter_name=name)
         missing = [k for k in result.missing_keys if is_adapter_key(k, name)]
         if missing or result.unexpected_keys:
-            raise ValueError(f"adapter {name!r}: tensors do not match its config (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})")
+            raise ValueError(
+                f"adapter {name!r}: tensors do not match its config (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+            )
         self.model.eval()
         self._adapter_versions[name] = version
 
@@ -107,7 +109,12 @@ class TorchEngine:
         input_ids, attention = input_ids.to(dev), attention.to(dev)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         out = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1, **adapters
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **adapters,
         )
         cache, logits = out.cache, out.logits[:, -1]
         next_pos = positions[:, -1:] + 1
@@ -135,7 +142,12 @@ class TorchEngine:
                 break
             attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=dev)], dim=1)
             out = self.model(
-                input_ids=sampled, attention_mask=attention, position_ids=next_pos, cache=cache, use_cache=True, **adapters
+                input_ids=sampled,
+                attention_mask=attention,
+                position_ids=next_pos,
+                cache=cache,
+                use_cache=True,
+                **adapters,
             )
             cache, logits = out.cache, out.logits[:, -1]
             next_pos = next_pos + 1

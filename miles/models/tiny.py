@@ -66,7 +66,13 @@ def build_tiny_model(config: ModelConfig, vocab_size: int, seed: int) -> LlamaFo
 
 def _cache_key(config: ModelConfig, tasks: Sequence[str], seed: int) -> str:
     blob = json.dumps(
-        {"v": _BUILD_VERSION, "tiny": config.tiny.model_dump(), "warmup": config.warmup.model_dump(), "tasks": list(tasks), "seed": seed},
+        {
+            "v": _BUILD_VERSION,
+            "tiny": config.tiny.model_dump(),
+            "warmup": config.warmup.model_dump(),
+            "tasks": list(tasks),
+            "seed": seed,
+        },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

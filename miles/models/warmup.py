@@ -21,10 +21,10 @@ IGNORE = -100
 def _sft_tensors(tokenizer, rows) -> tuple[torch.Tensor, torch.Tensor]:
     prompts = tokenizer([r["prompt"] for r in rows])["input_ids"]
     answers = tokenizer([r["label"] for r in rows], add_special_tokens=False)["input_ids"]
-    width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
+    width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers, strict=True))
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    for i, (p, a) in enumerate(zip(prompts, answers)):
+    for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
         seq = p + a + [tokenizer.eos_token_id]
         input_ids[i, : len(seq)] = torch.tensor(seq)
         labels[i, len(p) : len(seq)] = torch.tensor(seq[len(p) :])
@@ -44,7 +44,9 @@ def warm_up(model, tokenizer, tasks: Sequence[str], config: WarmupConfig, seed: 
     started = time.perf_counter()
     accuracy, step = greedy_accuracy(model, tokenizer, held_out), 0
     bar = ProgressLine("warm-up", config.max_steps)
-    bar.note(f"warm-up SFT of the embedded model on {task_names} until greedy accuracy {config.target_accuracy} (cached after)")
+    bar.note(
+        f"warm-up SFT of the embedded model on {task_names} until greedy accuracy {config.target_accuracy} (cached after)"
+    )
     model.train()
     while accuracy < config.target_accuracy and step < config.max_steps:
         idx = torch.randint(len(rows), (config.batch_size,), generator=generator)

@@ -7,7 +7,7 @@ response without special tokens, `finished` is False when the response hit max_n
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 RewardFn = Callable[[str, str, bool], float]
 
@@ -22,7 +22,7 @@ def digit_match(response: str, label: str, finished: bool) -> float:
     if not finished or not response:
         return 0.0
     width = max(len(response), len(label))
-    hits = sum(r == l for r, l in zip(reversed(response), reversed(label)))
+    hits = sum(r == l for r, l in zip(reversed(response), reversed(label), strict=False))
     return hits / width
 
 

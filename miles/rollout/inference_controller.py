@@ -48,16 +48,27 @@ class InferenceController:
     def __init__(self, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: list[AdapterConfig] = ()):
         if rollout.engine == "sglang":
             self._engine_class = SGLangEngine
-            self._engine_args = dict(model_dir=model_dir, weight_version=weight_version, device=rollout.device,
-                                     config=rollout.sglang, timeout_s=rollout.engine_timeout_s)
+            self._engine_args = dict(
+                model_dir=model_dir,
+                weight_version=weight_version,
+                device=rollout.device,
+                config=rollout.sglang,
+                timeout_s=rollout.engine_timeout_s,
+            )
             if adapters:
-                self._engine_args.update(lora_rank=max(a.rank for a in adapters),
-                                         lora_target_modules=sorted({m for a in adapters for m in a.target_modules}))
+                self._engine_args.update(
+                    lora_rank=max(a.rank for a in adapters),
+                    lora_target_modules=sorted({m for a in adapters for m in a.target_modules}),
+                )
             self._engine_options = actor_options(rollout.device, gpus=rollout.sglang.tp_size)
         else:
             self._engine_class = TorchEngine
-            self._engine_args = dict(model_dir=model_dir, weight_version=weight_version, device=rollout.device,
-                                     num_threads=rollout.num_threads)
+            self._engine_args = dict(
+                model_dir=model_dir,
+                weight_version=weight_version,
+                device=rollout.device,
+                num_threads=rollout.num_threads,
+            )
             self._engine_options = actor_options(rollout.device)
         self.timeout_s = rollout.engine_timeout_s
         self._weight_version = weight_version
@@ -129,7 +140,10 @@ class InferenceController:
             try:
                 return ray.get(list(refs.values()))
             except (ray.exceptions.RayActorError, EngineUnavailable) as exc:
-                cause, reason = exc, _start_failure(exc) if getattr(exc, "actor_init_failed", False) else first_line(exc)
+                cause, reason = (
+                    exc,
+                    _start_failure(exc) if getattr(exc, "actor_init_failed", False) else first_line(exc),
+                )
         restarted = self._restart_engines(hung)
         if not restarted:  # every engine passes its health check: the failure was not theirs (e.g. an argument's)
             raise cause
@@ -194,7 +208,7 @@ def _start_failure(exc: ray.exceptions.RayActorError) -> str:
     """An engine that failed to start: its own error (for SGLang, the server's log tail), without Ray's traceback."""
     lines = str(exc).splitlines()
     errors = [i for i, line in enumerate(lines) if re.match(r"^[\w.]*(Error|Exception): ", line)]
-    return "failed to start: " + "\n".join(lines[errors[-1]:] if errors else lines[:1])
+    return "failed to start: " + "\n".join(lines[errors[-1] :] if errors else lines[:1])
 
 
 def _try_shutdown(engine: ray.actor.ActorHandle) -> None:

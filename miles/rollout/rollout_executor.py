@@ -77,13 +77,29 @@ class RolloutExecutor:
             log.warning(
                 "rollout %d: data.reward %r failed on %d of %d samples, which are stored as failed and not trained on; "
                 "first: sample %d (response %s) %s",
-                rollout_id, self.config.data.reward, len(failures), len(texts), index, _clip(repr(texts[index])), why,
+                rollout_id,
+                self.config.data.reward,
+                len(failures),
+                len(texts),
+                index,
+                _clip(repr(texts[index])),
+                why,
             )
 
-        statuses = ["failed" if r is None else "completed" if f else "truncated" for r, f in zip(rewards, finished)]
+        statuses = [
+            "failed" if r is None else "completed" if f else "truncated" for r, f in zip(rewards, finished, strict=True)
+        ]
         groups = np.repeat(np.arange(rollout_id * cfg.rollout_batch_size, (rollout_id + 1) * cfg.rollout_batch_size), n)
-        table = samples_table(requests, results, rollout_id=rollout_id, first_index=first_index, group_index=groups,
-                              raw_reward=rewards, status=statuses, label=labels)
+        table = samples_table(
+            requests,
+            results,
+            rollout_id=rollout_id,
+            first_index=first_index,
+            group_index=groups,
+            raw_reward=rewards,
+            status=statuses,
+            label=labels,
+        )
         end = self.data_source.position + cfg.rollout_batch_size
         table = with_rollout_metadata(
             table, rollout_id=rollout_id, algorithm=self.config.algo.advantage_estimator, data_position_end=end
@@ -92,12 +108,14 @@ class RolloutExecutor:
         self.data_source.position = end
         return summarize(table)
 
-    def _score(self, texts: list[str], labels: list[str], finished: list[bool]) -> tuple[list[float | None], list[tuple[int, str]]]:
+    def _score(
+        self, texts: list[str], labels: list[str], finished: list[bool]
+    ) -> tuple[list[float | None], list[tuple[int, str]]]:
         """Each sample's reward, None where the reward function raised or returned no finite number; and the
         (index, what went wrong) of each such sample."""
         rewards: list[float | None] = []
         failures: list[tuple[int, str]] = []
-        for index, (text, label, done) in enumerate(zip(texts, labels, finished)):
+        for index, (text, label, done) in enumerate(zip(texts, labels, finished, strict=True)):
             try:
                 value = self.reward_fn(text, label, done)
             except Exception as exc:  # a user's reward function can fail on any response; only that sample fails
@@ -132,9 +150,11 @@ class RolloutExecutor:
                 table, groups, staleness = table.filter(pa.array(keep_rows)), groups[keep_rows], staleness[keep_rows]
         gbs = self.config.train.global_batch_size
         if table.num_rows < gbs:
-            removals = [f"excluding {failed_samples} failed samples"] * bool(failed_samples) + [
-                f"dropping {dropped_groups} groups staler than rollout.max_weight_staleness={bound}"
-            ] * bool(dropped_groups)
+            removals = []
+            if failed_samples:
+                removals.append(f"excluding {failed_samples} failed samples")
+            if dropped_groups:
+                removals.append(f"dropping {dropped_groups} groups staler than rollout.max_weight_staleness={bound}")
             why = f"after {' and '.join(removals)} " if removals else ""
             raise ValueError(
                 f"rollout {rollout_id} has {table.num_rows} samples {why}(trainer at weight version {trainer_version}), "
@@ -143,8 +163,14 @@ class RolloutExecutor:
         advantages = grpo_advantages(
             table.column("raw_reward").to_numpy(), groups, std_normalization=self.config.algo.grpo_std_normalization
         )
-        table = table.set_column(table.schema.get_field_index("advantage"), ROLLOUT_SCHEMA.field("advantage"), pa.array(advantages))
-        stats = {"staleness_mean": float(staleness.mean()), "dropped_groups": dropped_groups, "failed_samples": failed_samples}
+        table = table.set_column(
+            table.schema.get_field_index("advantage"), ROLLOUT_SCHEMA.field("advantage"), pa.array(advantages)
+        )
+        stats = {
+            "staleness_mean": float(staleness.mean()),
+            "dropped_groups": dropped_groups,
+            "failed_samples": failed_samples,
+        }
         return table.slice(0, table.num_rows - table.num_rows % gbs), stats
 
 

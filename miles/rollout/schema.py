@@ -58,7 +58,9 @@ def samples_table(
             "rollout_id": pa.array(np.full(count, rollout_id), pa.int64()),
             "sample_index": pa.array(np.arange(first_index, first_index + count), pa.int64()),
             "group_index": pa.array(group_index, pa.int64()),
-            "adapter": pa.array([q.adapter for q in requests], pa.string()).dictionary_encode().cast(ROLLOUT_SCHEMA.field("adapter").type),
+            "adapter": pa.array([q.adapter for q in requests], pa.string())
+            .dictionary_encode()
+            .cast(ROLLOUT_SCHEMA.field("adapter").type),
             "prompt_ids": pa.array([q.prompt_ids for q in requests], pa.list_(pa.int32())),
             "response_ids": pa.array([r.output_ids for r in results], pa.list_(pa.int32())),
             "response_length": pa.array(lengths, pa.int32()),
@@ -89,12 +91,16 @@ def check_schema(table: pa.Table, source: str) -> None:
     actual = table.schema.remove_metadata()
     if actual.equals(expected):
         return
+    problems = []
     missing = [name for name in expected.names if name not in actual.names]
-    differing = [
-        f"{f.name} is {actual.field(f.name).type}{'' if actual.field(f.name).nullable == f.nullable else ' (nullability differs)'}, expected {f.type}"
-        for f in expected
-        if f.name in actual.names and not actual.field(f.name).equals(f)
-    ]
+    if missing:
+        problems.append(f"missing columns {missing}")
+    for field in expected:
+        if field.name in actual.names and not actual.field(field.name).equals(field):
+            found = actual.field(field.name)
+            nullability = "" if found.nullable == field.nullable else " (nullability differs)"
+            problems.append(f"{field.name} is {found.type}{nullability}, expected {field.type}")
     extra = [name for name in actual.names if name not in expected.names]
-    problems = [f"missing columns {missing}"] * bool(missing) + differing + [f"unexpected columns {extra}"] * bool(extra)
+    if extra:
+        problems.append(f"unexpected columns {extra}")
     raise ValueError(f"{source}: not a rollout table: {'; '.join(problems) or 'column order differs'}")

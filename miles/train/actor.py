@@ -11,7 +11,7 @@ import pyarrow as pa
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.checkpoint import MODEL_DIR, optimizer_from_files, optimizer_to_files
+from miles.checkpoint import MODEL_DIR, optimizer_from_files, optimizer_to_files, write_checkpoint
 from miles.config import RunConfig
 from miles.run_dir import RunDir
 from miles.train.update import batch_logprobs, train_on_rollout
@@ -54,8 +54,14 @@ class TrainActor:
         if self.ref_model is not None:
             reference = partial(batch_logprobs, self.ref_model, config=self.config, device=self.device)
         metrics = train_on_rollout(
-            self.model, self.optimizer, list(self.model.parameters()), table, self.config, self.device,
-            self.pad_token_id, reference,
+            self.model,
+            self.optimizer,
+            list(self.model.parameters()),
+            table,
+            self.config,
+            self.device,
+            self.pad_token_id,
+            reference,
         )
         self.ledger.record(rollout_id, metrics)
         return metrics
@@ -64,8 +70,9 @@ class TrainActor:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, rollout_id: int, state: dict[str, Any]) -> str:
-        """Write <run_dir>/checkpoints/<rollout_id>/: the model in HF format, the optimizer and the state."""
-        return str(self.run_dir.write_checkpoint(rollout_id, state, self._write_checkpoint_files))
+        """Write the run's checkpoint of `rollout_id`: the model in HF format, the optimizer and the state."""
+        target = self.run_dir.checkpoint(rollout_id)
+        return str(write_checkpoint(target, rollout_id, state, self._write_checkpoint_files))
 
     def _write_checkpoint_files(self, directory: Path) -> None:
         self.model.save_pretrained(directory / MODEL_DIR)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def grpo_advantages(rewards: np.ndarray, groups: np.ndarray, std_normalization: bool = True, eps: float = 1e-6) -> np.ndarray:
+def grpo_advantages(
+    rewards: np.ndarray, groups: np.ndarray, std_normalization: bool = True, eps: float = 1e-6
+) -> np.ndarray:
     """(r - mean of its group) / (std of its group + eps); std is the unbiased one, 0 for a group of one."""
     rewards = rewards.astype(np.float64)
     _, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)

@@ -22,8 +22,13 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def rows(self, index: slice) -> "TrainBatch":
-        return TrainBatch(*(t[index] for t in (self.tokens, self.attention_mask, self.response_mask, self.rollout_logprobs, self.advantages)))
+    def rows(self, index: slice) -> TrainBatch:
+        return TrainBatch(
+            *(
+                t[index]
+                for t in (self.tokens, self.attention_mask, self.response_mask, self.rollout_logprobs, self.advantages)
+            )
+        )
 
 
 def _list_view(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
@@ -68,7 +73,11 @@ def batch_from_table(table: pa.Table, pad_token_id: int) -> TrainBatch:
     return TrainBatch(
         tokens=torch.from_numpy(tokens),
         attention_mask=torch.from_numpy(attention),
-        response_mask=torch.from_numpy(_placed(rows, width, response_at, m_val[m_off[0] : m_off[-1]] != 0, False, bool)),
-        rollout_logprobs=torch.from_numpy(_placed(rows, width, response_at, l_val[l_off[0] : l_off[-1]], 0.0, np.float32)),
+        response_mask=torch.from_numpy(
+            _placed(rows, width, response_at, m_val[m_off[0] : m_off[-1]] != 0, False, bool)
+        ),
+        rollout_logprobs=torch.from_numpy(
+            _placed(rows, width, response_at, l_val[l_off[0] : l_off[-1]], 0.0, np.float32)
+        ),
         advantages=torch.from_numpy(table.column("advantage").to_numpy().astype(np.float32)),
     )

@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from miles.checkpoint import ADAPTER_DIR, optimizer_from_files, optimizer_to_files
+from miles.checkpoint import ADAPTER_DIR, optimizer_from_files, optimizer_to_files, write_checkpoint
 from miles.config import AdapterConfig, RunConfig
 from miles.run_dir import Ledger, RunDir
 from miles.seeds import adapter_init_seed
@@ -96,6 +96,10 @@ class LoRATrainActor:
     def remove_adapter(self, name: str) -> None:
         """Drop a retired adapter's weights and optimizer state."""
         if self.adapters.pop(name, None) is not None:
+            if self.adapters and name in self.model.active_adapters:
+                # Hand the active role to a remaining adapter first, or peft picks one itself and warns. Harmless
+                # for training: `train` activates its own adapter before each step.
+                self.model.set_adapter(next(iter(self.adapters)))
             self.model.delete_adapter(name)
 
     def train(self, name: str, rollout_id: int, table: pa.Table) -> dict[str, float]:
@@ -109,7 +113,14 @@ class LoRATrainActor:
         if adapter.config.algo.use_kl_loss:
             reference = partial(self._base_logprobs, config=adapter.config)
         metrics = train_on_rollout(
-            self.model, adapter.optimizer, adapter.params, table, adapter.config, self.device, self.pad_token_id, reference
+            self.model,
+            adapter.optimizer,
+            adapter.params,
+            table,
+            adapter.config,
+            self.device,
+            self.pad_token_id,
+            reference,
         )
         adapter.ledger.record(rollout_id, metrics)
         return metrics
@@ -120,7 +131,10 @@ class LoRATrainActor:
 
     def adapter_weights(self, name: str) -> dict[str, torch.Tensor]:
         """The adapter's PEFT state dict (the keys of adapter_model.safetensors), on the CPU."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()}
+        return {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()
+        }
 
     def adapter_config(self, name: str) -> dict[str, Any]:
         return config_dict(self.model.peft_config[name])
@@ -128,7 +142,8 @@ class LoRATrainActor:
     def save_checkpoint(self, name: str, rollout_id: int, state: dict[str, Any]) -> str:
         """<adapter dir>/checkpoints/<rollout_id>/: `adapter/` (a PEFT directory), the optimizer and the state."""
         adapter = self.adapters[name]
-        return str(adapter.run_dir.write_checkpoint(rollout_id, state, partial(self._write_adapter_files, name)))
+        target = adapter.run_dir.checkpoint(rollout_id)
+        return str(write_checkpoint(target, rollout_id, state, partial(self._write_adapter_files, name)))
 
     def _write_adapter_files(self, name: str, directory: Path) -> None:
         target = directory / ADAPTER_DIR
@@ -136,5 +151,9 @@ class LoRATrainActor:
         # A copy: the live config is what the engines compare on each push, and must not change on a save.
         config = {**config_dict(self.model.peft_config[name]), "base_model_name_or_path": self.base_dir}
         (target / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
-        save_file({k: v.contiguous() for k, v in self.adapter_weights(name).items()}, str(target / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in self.adapter_weights(name).items()},
+            str(target / ADAPTER_WEIGHTS),
+            metadata={"format": "pt"},
+        )
         optimizer_to_files(self.adapters[name].optimizer, directory)

@@ -66,6 +66,8 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
     return ((torch.exp(delta) - delta - 1.0) * mask).sum()
 
 
-def tis_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def tis_weights(
+    trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
     """Truncated importance weights exp(trainer_old - rollout) clamped to [low, high]; no gradient flows."""
     return torch.exp(trainer_logprobs - rollout_logprobs).clamp(low, high).detach()

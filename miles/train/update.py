@@ -11,7 +11,15 @@ import torch
 
 from miles.config import RunConfig
 from miles.train.batch import TrainBatch, batch_from_table
-from miles.train.loss import k3_kl, masked_entropy, next_token_log_softmax, picked_logprobs, ppo_clip_loss, tis_weights, token_logprobs
+from miles.train.loss import (
+    k3_kl,
+    masked_entropy,
+    next_token_log_softmax,
+    picked_logprobs,
+    ppo_clip_loss,
+    tis_weights,
+    token_logprobs,
+)
 
 ReferenceLogprobs = Callable[[TrainBatch], torch.Tensor]
 
@@ -73,7 +81,11 @@ def train_on_rollout(
                 if pass_ == 0 and start == 0:
                     trainer_lp[rows] = logp.detach()
                 old_lp = rollout_lp[rows] if algo.use_rollout_logprobs else trainer_lp[rows]
-                tis = tis_weights(trainer_lp[rows], rollout_lp[rows], algo.tis_clip_low, algo.tis_clip) if algo.use_tis else None
+                tis = (
+                    tis_weights(trainer_lp[rows], rollout_lp[rows], algo.tis_clip_low, algo.tis_clip)
+                    if algo.use_tis
+                    else None
+                )
                 pg, clipped = ppo_clip_loss(
                     logp, old_lp, mb.advantages.to(device), mask, algo.eps_clip, eps_high, token_weights=tis
                 )
@@ -109,7 +121,9 @@ def train_on_rollout(
         "clip_fraction": sums["clipped"] / tokens,
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "optimizer_steps": len(grad_norms),
-        "train_rollout_logprob_abs_diff": float(((trainer_lp - rollout_lp).abs() * mask_f)[measured].sum() / mask_count),
+        "train_rollout_logprob_abs_diff": float(
+            ((trainer_lp - rollout_lp).abs() * mask_f)[measured].sum() / mask_count
+        ),
         # k1 estimate of KL(rollout policy || trainer policy) on the sampled tokens.
         "train_rollout_kl": float(((rollout_lp - trainer_lp) * mask_f)[measured].sum() / mask_count),
         "train_seconds": time.perf_counter() - started,

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 PROJECT = Path(__file__).resolve().parents[2]
 
 
@@ -20,7 +19,9 @@ def _miles(*args, cwd, timeout=300):
 
 
 def test_bad_config_fails_before_any_work_and_names_the_field(tmp_path):
-    out = _miles("run", "sync", "--run-dir", str(tmp_path / "run"), "--set", "train.global_batch_size=100", cwd=tmp_path)
+    out = _miles(
+        "run", "sync", "--run-dir", str(tmp_path / "run"), "--set", "train.global_batch_size=100", cwd=tmp_path
+    )
     assert out.returncode == 2
     assert "train.global_batch_size" in out.stderr
     assert not (tmp_path / "run").exists()
@@ -35,18 +36,53 @@ def test_bad_config_fails_before_any_work_and_names_the_field(tmp_path):
     assert out.returncode == 2 and "adapters.0" in out.stderr and "global_batch_size (7)" in out.stderr
 
     missing = tmp_path / "nope.jsonl"
-    out = _miles("run", "sync", "--set", "data.task=null", "--set", f"data.path={missing}", "--set", "model.path=/x", cwd=tmp_path)
+    out = _miles(
+        "run",
+        "sync",
+        "--set",
+        "data.task=null",
+        "--set",
+        f"data.path={missing}",
+        "--set",
+        "model.path=/x",
+        cwd=tmp_path,
+    )
     assert out.returncode == 2 and str(missing) in out.stderr
-    out = _miles("run", "multi-lora", "--set", f"adapters=[{{name: x, data: {{task: null, path: {missing}}}}}]",
-                 "--set", "model.path=/x", cwd=tmp_path)
+    out = _miles(
+        "run",
+        "multi-lora",
+        "--set",
+        f"adapters=[{{name: x, data: {{task: null, path: {missing}}}}}]",
+        "--set",
+        "model.path=/x",
+        cwd=tmp_path,
+    )
     assert out.returncode == 2 and "adapters.0 (x)" in out.stderr and str(missing) in out.stderr
 
 
 def test_cli_runs_the_flow_with_a_project_local_prefect_home(tmp_path, tiny_model_dir):
-    args = ["run", "sync", "--run-dir", str(tmp_path / "run"), "--num-rollout", "2",
-            "--set", f"model.path={tiny_model_dir}", "--set", "rollout.rollout_batch_size=8",
-            "--set", "rollout.n_samples_per_prompt=4", "--set", "train.global_batch_size=16",
-            "--set", "train.micro_batch_size=16", "--set", "rollout.num_threads=1", "--set", "train.num_threads=1"]
+    args = [
+        "run",
+        "sync",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--num-rollout",
+        "2",
+        "--set",
+        f"model.path={tiny_model_dir}",
+        "--set",
+        "rollout.rollout_batch_size=8",
+        "--set",
+        "rollout.n_samples_per_prompt=4",
+        "--set",
+        "train.global_batch_size=16",
+        "--set",
+        "train.micro_batch_size=16",
+        "--set",
+        "rollout.num_threads=1",
+        "--set",
+        "train.num_threads=1",
+    ]
     out = _miles(*args, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rollout 1/2  reward" in out.stdout and "rollout 2/2  reward" in out.stdout

@@ -27,7 +27,9 @@ def _free_port() -> int:
 
 
 def _start(args, env, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(args, env=env, cwd=PROJECT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        args, env=env, cwd=PROJECT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -59,22 +61,43 @@ def served(tmp_path_factory, tiny_model_dir):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
-               PREFECT_UI_API_URL=api, PYTHONPATH=str(PROJECT))
-    server = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path / "server.log")
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        PREFECT_UI_API_URL=api,
+        PYTHONPATH=str(PROJECT),
+    )
+    server = _start(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path / "server.log"
+    )
     env.update(PREFECT_API_URL=api, PREFECT_RUNNER_POLL_FREQUENCY="1")
     config_file = tmp_path / "small.yaml"
-    config_file.write_text(yaml.safe_dump({
-        "run_dir": str(tmp_path / "run"), "num_rollout": 4, "iterations_per_run": 2, "save_interval": 100,
-        "model": {"path": str(tiny_model_dir)}, "data": {"reward": "digit_match"},
-        "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "num_threads": 1},
-        "train": {"global_batch_size": 16, "micro_batch_size": 16, "num_threads": 1},
-    }))
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "run_dir": str(tmp_path / "run"),
+                "num_rollout": 4,
+                "iterations_per_run": 2,
+                "save_interval": 100,
+                "model": {"path": str(tiny_model_dir)},
+                "data": {"reward": "digit_match"},
+                "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4, "num_threads": 1},
+                "train": {"global_batch_size": 16, "micro_batch_size": 16, "num_threads": 1},
+            }
+        )
+    )
     try:
         _wait(lambda: httpx.get(f"{api}/health").status_code == 200, 90, "the Prefect server")
-        serve = _start([sys.executable, "-m", "deployments.serve", "--config", str(config_file)], env, tmp_path / "serve.log")
+        serve = _start(
+            [sys.executable, "-m", "deployments.serve", "--config", str(config_file)], env, tmp_path / "serve.log"
+        )
         try:
-            _wait(lambda: httpx.get(f"{api}/deployments/name/rl-sync/tiny").status_code == 200, 90, "the served deployments")
+            _wait(
+                lambda: httpx.get(f"{api}/deployments/name/rl-sync/tiny").status_code == 200,
+                90,
+                "the served deployments",
+            )
             yield api, env, config_file
         finally:
             _stop(serve)
@@ -84,9 +107,22 @@ def served(tmp_path_factory, tiny_model_dir):
 
 def _deployment_run(env, params: dict) -> str:
     out = subprocess.run(
-        [PREFECT, "deployment", "run", "rl-sync/tiny", "--param", f"config={json.dumps(params)}", "--watch",
-         "--watch-timeout", "300"],
-        env=env, cwd=PROJECT, capture_output=True, text=True, timeout=330,
+        [
+            PREFECT,
+            "deployment",
+            "run",
+            "rl-sync/tiny",
+            "--param",
+            f"config={json.dumps(params)}",
+            "--watch",
+            "--watch-timeout",
+            "300",
+        ],
+        env=env,
+        cwd=PROJECT,
+        capture_output=True,
+        text=True,
+        timeout=330,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
@@ -137,8 +173,14 @@ def test_the_ui_shows_the_flow_run_and_its_task_runs(served, first_run, tmp_path
     with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=str(CHROMIUM),
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
         )
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})

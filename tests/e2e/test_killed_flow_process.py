@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from miles.run_dir import RunDir
 from miles.loop import run_sync
-from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, small_config_for, small_overrides
+from miles.run_dir import RunDir
 from tests.e2e.test_cli import PROJECT
+from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, small_config_for, small_overrides
 
 
 def _descendants(root: int) -> dict[int, str]:
@@ -21,7 +21,9 @@ def _descendants(root: int) -> dict[int, str]:
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
-                commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                commands[int(entry.name)] = (
+                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
             except OSError:
                 continue
             parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
@@ -55,19 +57,36 @@ def _metrics_ids(run_dir: Path) -> list[int]:
 
 # Rollouts big enough that training one takes a good fraction of a second: the window in which the test freezes
 # the trainer, between rollout 2's metrics line and the end of rollout 3's training.
-BIGGER = ["rollout.rollout_batch_size=32", "rollout.n_samples_per_prompt=8", "train.global_batch_size=128",
-          "train.micro_batch_size=32", "train.num_passes=2"]
+BIGGER = [
+    "rollout.rollout_batch_size=32",
+    "rollout.n_samples_per_prompt=8",
+    "train.global_batch_size=128",
+    "train.micro_batch_size=32",
+    "train.num_passes=2",
+]
 
 
 def test_killed_flow_process_resumes_at_the_right_rollout(ray_session, tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "flows.cli", "run", "sync", "--run-dir", str(run_dir),
-            "--num-rollout", str(RECOVERY_RUN["num_rollout"]), "--set", f"save_interval={RECOVERY_RUN['save_interval']}",
-            *[part for override in small_overrides(tiny_model_dir) + BIGGER for part in ("--set", override)]]
+    args = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "sync",
+        "--run-dir",
+        str(run_dir),
+        "--num-rollout",
+        str(RECOVERY_RUN["num_rollout"]),
+        "--set",
+        f"save_interval={RECOVERY_RUN['save_interval']}",
+        *[part for override in small_overrides(tiny_model_dir) + BIGGER for part in ("--set", override)],
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
     env["PYTHONPATH"] = str(PROJECT)
-    first = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    first = subprocess.Popen(
+        args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         trainer = _wait_for(lambda: _trainer_pid(first.pid), "the trainer actor", every_s=0.2)
         # Once rollout 2 is finished, freeze the trainer: rollout 3 gets generated and stored, its training cannot end.

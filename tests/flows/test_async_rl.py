@@ -8,8 +8,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter
 
 from flows.async_rl import async_rl
-from miles.run_dir import RunDir
 from miles.run import RLRun
+from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill
 
@@ -33,7 +33,11 @@ def test_generation_of_the_next_rollout_overlaps_training(ray_session, prefect_a
     assert all(r.state.is_completed() for r in runs.values())
     assert state.result()["task_runs"] == len(runs) == 3 * 4 + 2  # + the final checkpoint and evaluation
     for i in (0, 1):
-        generate_next, train, sync = runs[f"generate[rollout={i + 1}]"], runs[f"train_step[rollout={i}]"], runs[f"sync_weights[rollout={i}]"]
+        generate_next, train, sync = (
+            runs[f"generate[rollout={i + 1}]"],
+            runs[f"train_step[rollout={i}]"],
+            runs[f"sync_weights[rollout={i}]"],
+        )
         assert generate_next.start_time < train.end_time
         assert sync.start_time >= generate_next.end_time
     metrics = _metrics(config.run_dir)
@@ -56,12 +60,16 @@ def test_a_staleness_bound_of_zero_drops_the_stale_rollout_and_says_so(ray_sessi
     assert get_1.run_count == 1 and get_1.state.is_failed()  # bad input is not retried
 
 
-def test_async_flow_recovers_from_a_killed_engine_and_a_killed_trainer(ray_session, prefect_api, small_config, monkeypatch, tmp_path):
+def test_async_flow_recovers_from_a_killed_engine_and_a_killed_trainer(
+    ray_session, prefect_api, small_config, monkeypatch, tmp_path
+):
     reference = small_config(**RECOVERY_RUN, run_dir=str(tmp_path / "uninterrupted"))
     assert async_rl(reference, return_state=True).is_completed()
     config = small_config(**RECOVERY_RUN)
     # generate(2) runs while the trainer steps on rollout 1; train_step(3) runs while rollout 4 is generated.
-    fault_before(monkeypatch, RLRun, "generate", lambda run, i: i == 2, lambda run: freeze_then_kill(run.controller.engines[0]))
+    fault_before(
+        monkeypatch, RLRun, "generate", lambda run, i: i == 2, lambda run: freeze_then_kill(run.controller.engines[0])
+    )
     fault_before(monkeypatch, RLRun, "train", lambda run, i: i == 3, lambda run: freeze_then_kill(run.trainer.handle))
 
     state = async_rl(config, return_state=True)
@@ -71,5 +79,7 @@ def test_async_flow_recovers_from_a_killed_engine_and_a_killed_trainer(ray_sessi
     assert runs["generate[rollout=2]"].run_count == 2 and runs["train_step[rollout=3]"].run_count == 2
     assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
-    assert [m["weight_version"] for m in _metrics(config.run_dir)] == [m["weight_version"] for m in _metrics(reference.run_dir)]
+    assert [m["weight_version"] for m in _metrics(config.run_dir)] == [
+        m["weight_version"] for m in _metrics(reference.run_dir)
+    ]
     assert max_abs_diff(final_weights(config.run_dir, 4), final_weights(reference.run_dir, 4)) == 0.0

@@ -11,9 +11,9 @@ from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 from safetensors.torch import load_file
 
 from flows.multi_lora import multi_lora
-from miles.run_dir import RunDir
 from miles.loop import run_multi_lora
 from miles.multi_lora import AdapterRun
+from miles.run_dir import RunDir
 from tests.helpers import max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill
 
@@ -54,14 +54,21 @@ def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_
         assert {f"retire_adapter[{adapter}]", f"evaluate[{adapter}, rollout={steps - 1}]"} <= names
     assert all(r.state.is_completed() for r in task_runs)
     keys = {a.key for a in artifacts}
-    assert {"rl-multi-lora-add-progress", "rl-multi-lora-sub-progress", "rl-multi-lora-add-metrics", "rl-multi-lora-sub-summary"} <= keys
+    assert {
+        "rl-multi-lora-add-progress",
+        "rl-multi-lora-sub-progress",
+        "rl-multi-lora-add-metrics",
+        "rl-multi-lora-sub-summary",
+    } <= keys
 
     run_dir = Path(config.run_dir)
     for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):
         adapter_dir = run_dir / "adapters" / adapter
         records = _metrics(adapter_dir / "metrics.jsonl")
         assert [(r["adapter"], r["rollout_id"]) for r in records] == [(adapter, i) for i in range(steps)]
-        assert [r["weight_version"] for r in records] == list(range(steps))  # rollout i sampled by the adapter after i steps
+        assert [r["weight_version"] for r in records] == list(
+            range(steps)
+        )  # rollout i sampled by the adapter after i steps
         assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in records)
         assert sorted(RunDir(adapter_dir).ledger().trained) == list(range(steps))
         table = pa.ipc.open_file(pa.memory_map(str(adapter_dir / "rollouts" / "rollout_0.arrow"))).read_all()
@@ -82,7 +89,17 @@ def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_
 
 
 def _adapter_weights(run_dir, adapter: str, rollout_id: int) -> dict:
-    return load_file(str(Path(run_dir) / "adapters" / adapter / "checkpoints" / str(rollout_id) / "adapter" / "adapter_model.safetensors"))
+    return load_file(
+        str(
+            Path(run_dir)
+            / "adapters"
+            / adapter
+            / "checkpoints"
+            / str(rollout_id)
+            / "adapter"
+            / "adapter_model.safetensors"
+        )
+    )
 
 
 def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
@@ -91,10 +108,20 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     reference = small_config(*ADAPTERS, run_dir=str(tmp_path / "uninterrupted"))
     run_multi_lora(reference)  # each adapter's samples and steps depend on its own seeds only, not on the interleaving
     config = small_config(*ADAPTERS)  # no checkpoint before an adapter's last rollout: a restore replays its ledger
-    fault_before(monkeypatch, AdapterRun, "generate", lambda adapter, i: (adapter.name, i) == ("sub", 1),
-                 lambda adapter: freeze_then_kill(adapter.controller.engines[0]))
-    fault_before(monkeypatch, AdapterRun, "train", lambda adapter, i: (adapter.name, i) == ("add", 2),
-                 lambda adapter: freeze_then_kill(adapter.trainer.handle))
+    fault_before(
+        monkeypatch,
+        AdapterRun,
+        "generate",
+        lambda adapter, i: (adapter.name, i) == ("sub", 1),
+        lambda adapter: freeze_then_kill(adapter.controller.engines[0]),
+    )
+    fault_before(
+        monkeypatch,
+        AdapterRun,
+        "train",
+        lambda adapter, i: (adapter.name, i) == ("add", 2),
+        lambda adapter: freeze_then_kill(adapter.trainer.handle),
+    )
 
     state = multi_lora(config, return_state=True)
 
@@ -107,7 +134,13 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
         adapter_dir = Path(config.run_dir) / "adapters" / adapter
         assert sorted(RunDir(adapter_dir).ledger().trained) == list(range(steps))
         assert_whole_rollouts(adapter_dir, range(steps), samples)
-        assert max_abs_diff(_adapter_weights(config.run_dir, adapter, steps - 1), _adapter_weights(reference.run_dir, adapter, steps - 1)) == 0.0
+        assert (
+            max_abs_diff(
+                _adapter_weights(config.run_dir, adapter, steps - 1),
+                _adapter_weights(reference.run_dir, adapter, steps - 1),
+            )
+            == 0.0
+        )
 
 
 def test_sglang_engines_serve_the_adapters_as_the_torch_engines_do(ray_session, small_config, tmp_path):
@@ -121,4 +154,10 @@ def test_sglang_engines_serve_the_adapters_as_the_torch_engines_do(ray_session, 
 
     for adapter, steps in (("add", 3), ("sub", 2)):
         assert sorted(RunDir(config.run_dir).adapter(adapter).ledger().trained) == list(range(steps))
-        assert max_abs_diff(_adapter_weights(config.run_dir, adapter, steps - 1), _adapter_weights(reference.run_dir, adapter, steps - 1)) == 0.0
+        assert (
+            max_abs_diff(
+                _adapter_weights(config.run_dir, adapter, steps - 1),
+                _adapter_weights(reference.run_dir, adapter, steps - 1),
+            )
+            == 0.0
+        )

@@ -11,8 +11,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 
 from flows.sync_rl import sync_rl
-from miles.run_dir import RunDir
 from miles.run import RLRun
+from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill, sglang_server_pid
 
@@ -42,18 +42,22 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
     assert {a.type for a in artifacts} >= {"progress", "table"}
     table = next(a for a in artifacts if a.type == "table")
     assert [row["rollout_id"] for row in json.loads(table.data)] == [0, 1]
-    assert [json.loads(line)["rollout_id"] for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert [
+        json.loads(line)["rollout_id"] for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()
+    ] == [0, 1]
 
 
 def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
     ray_session, prefect_api, small_config, monkeypatch, uninterrupted_weights
 ):
     config = small_config(**RECOVERY_RUN)
-    engine_killed = fault_before(monkeypatch, RLRun, "generate", lambda run, i: i == 2,
-                                 lambda run: freeze_then_kill(run.controller.engines[0]))
+    engine_killed = fault_before(
+        monkeypatch, RLRun, "generate", lambda run, i: i == 2, lambda run: freeze_then_kill(run.controller.engines[0])
+    )
     # Rollout 2 is trained after checkpoint 1, so the restored trainer must replay it before training rollout 3.
-    trainer_killed = fault_before(monkeypatch, RLRun, "train", lambda run, i: i == 3,
-                                  lambda run: freeze_then_kill(run.trainer.handle))
+    trainer_killed = fault_before(
+        monkeypatch, RLRun, "train", lambda run, i: i == 3, lambda run: freeze_then_kill(run.trainer.handle)
+    )
 
     state = sync_rl(config, return_state=True)
 
@@ -75,8 +79,13 @@ def test_the_sglang_engine_runs_the_flow_and_a_killed_server_is_replaced(
 ):
     """rollout.engine=sglang, served by the stand-in server: the server is killed while rollout 2 generates."""
     config = small_config(*sglang_overrides(), **RECOVERY_RUN)
-    server_killed = fault_before(monkeypatch, RLRun, "generate", lambda run, i: i == 2,
-                                 lambda run: _kill_during_next_call(sglang_server_pid(run.controller.engines[0])))
+    server_killed = fault_before(
+        monkeypatch,
+        RLRun,
+        "generate",
+        lambda run, i: i == 2,
+        lambda run: _kill_during_next_call(sglang_server_pid(run.controller.engines[0])),
+    )
 
     state = sync_rl(config, return_state=True)
 

@@ -33,7 +33,11 @@ SGLANG_STAND_IN = "tests.miles.engines.sglang_server"  # launched in place of sg
 
 def sglang_overrides() -> list[str]:
     """The SGLang engine, served by the stand-in server (SGLang itself needs a GPU)."""
-    return ["rollout.engine=sglang", f"rollout.sglang.server_module={SGLANG_STAND_IN}", "rollout.sglang.health_timeout_s=5"]
+    return [
+        "rollout.engine=sglang",
+        f"rollout.sglang.server_module={SGLANG_STAND_IN}",
+        "rollout.sglang.health_timeout_s=5",
+    ]
 
 
 RECOVERY_RUN = dict(num_rollout=5, save_interval=2)  # checkpoints after rollouts 1, 3 and 4

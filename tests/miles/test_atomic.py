@@ -30,5 +30,3 @@ def test_write_json_atomic_failure_keeps_old_file_and_leaves_no_temp(tmp_path):
         write_json_atomic(path, {"v": object()})  # not JSON serialisable
     assert json.loads(path.read_text()) == {"v": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
-
-

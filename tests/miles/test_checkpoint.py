@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from miles import checkpoint as ckpt
-from miles.checkpoint import checkpoint_problem, optimizer_from_files, optimizer_to_files, read_state
+from miles.checkpoint import (
+    checkpoint_problem,
+    latest_checkpoint,
+    optimizer_from_files,
+    optimizer_to_files,
+    read_state,
+    write_checkpoint,
+)
 from miles.run_dir import RunDir
-
 
 # ---------------------------------------------------------------- optimizer files
 
@@ -70,7 +76,7 @@ def test_optimizer_round_trip(tmp_path):
     # One more step from both gives the same parameters.
     _step(model, optimizer, 3)
     _step(model2, optimizer2, 3)
-    for p, q in zip(model.parameters(), model2.parameters()):
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
@@ -83,7 +89,7 @@ def test_restored_optimizer_differs_from_fresh_one(tmp_path):
     model2.load_state_dict(model.state_dict())
     _step(model, optimizer, 3)
     _step(model2, optimizer2, 3)
-    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True))
 
 
 def test_optimizer_files_hold_no_pickle(tmp_path):
@@ -104,16 +110,16 @@ def _complete(run_dir, rollout_id: int, **state):
         (directory / "model").mkdir()
         (directory / "model" / "weights.bin").write_bytes(bytes(range(256)) * 64)
 
-    return RunDir(run_dir).write_checkpoint(rollout_id, state, write_files)
+    return write_checkpoint(RunDir(run_dir).checkpoint(rollout_id), rollout_id, state, write_files)
 
 
 def test_latest_checkpoint_none_without_dir(tmp_path):
-    assert RunDir(tmp_path).latest_checkpoint() is None
+    assert latest_checkpoint(RunDir(tmp_path).checkpoints) is None
 
 
 def test_latest_checkpoint_none_when_empty(tmp_path):
     (tmp_path / "checkpoints").mkdir()
-    assert RunDir(tmp_path).latest_checkpoint() is None
+    assert latest_checkpoint(RunDir(tmp_path).checkpoints) is None
 
 
 def test_latest_checkpoint_picks_highest_numeric(tmp_path):
@@ -123,7 +129,7 @@ def test_latest_checkpoint_picks_highest_numeric(tmp_path):
     staging = tmp_path / "checkpoints" / ".staging-99"
     staging.mkdir()
     (staging / ckpt.STATE_FILE).write_text("{}")  # not a numeric name
-    latest = RunDir(tmp_path).latest_checkpoint()
+    latest = latest_checkpoint(RunDir(tmp_path).checkpoints)
     assert latest == RunDir(tmp_path).checkpoint(10)
     assert read_state(latest) == {"rollout_id": 10}
 
@@ -160,7 +166,7 @@ def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(t
     damaged = _complete(tmp_path, 3)
     damage(damaged / "model" / "weights.bin")
     with caplog.at_level("WARNING", logger="miles.checkpoint"):
-        latest = RunDir(tmp_path).latest_checkpoint()
+        latest = latest_checkpoint(RunDir(tmp_path).checkpoints)
     assert latest == RunDir(tmp_path).checkpoint(1)
     assert problem in caplog.text and str(damaged) in caplog.text
     aside = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("damaged-3-")]
@@ -170,7 +176,7 @@ def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(t
 
 def test_every_checkpoint_damaged_gives_none(tmp_path):
     (_complete(tmp_path, 0) / ckpt.STATE_FILE).write_text("{")
-    assert RunDir(tmp_path).latest_checkpoint() is None
+    assert latest_checkpoint(RunDir(tmp_path).checkpoints) is None
 
 
 def test_a_retried_save_keeps_the_existing_checkpoint(tmp_path):

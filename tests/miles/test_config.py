@@ -204,7 +204,10 @@ def test_adapter_view_is_the_run_as_the_adapter_sees_it(tmp_path):
     [
         ("[{name: Add}]", "adapters.0.name"),
         ("[{name: a}, {name: a}]", "names must be unique"),
-        ("[{name: a, global_batch_size: 7}]", "global_batch_size (7) must divide rollout_batch_size x n_samples_per_prompt (256)"),
+        (
+            "[{name: a, global_batch_size: 7}]",
+            "global_batch_size (7) must divide rollout_batch_size x n_samples_per_prompt (256)",
+        ),
         ("[{name: a, rank: 0}]", "adapters.0.rank"),
         ("[{name: a, target_modules: []}]", "adapters.0.target_modules"),
     ],
@@ -216,8 +219,15 @@ def test_bad_adapters_are_named(adapters, message):
 
 
 def test_adapter_view_names_the_adapter_when_shared_settings_do_not_fit():
-    config = load_config(None, ["adapters=[{name: a, global_batch_size: 64}]", "train.micro_batch_size=48",
-                                "train.global_batch_size=48", "rollout.rollout_batch_size=6"])
+    config = load_config(
+        None,
+        [
+            "adapters=[{name: a, global_batch_size: 64}]",
+            "train.micro_batch_size=48",
+            "train.global_batch_size=48",
+            "rollout.rollout_batch_size=6",
+        ],
+    )
     with pytest.raises(ConfigError, match="adapter 'a'") as info:
         config.adapter_view(config.adapters[0])
     assert "train.micro_batch_size (48) must divide train.global_batch_size (64)" in str(info.value)

@@ -27,13 +27,25 @@ def test_embedded_model_needs_built_in_tasks(tmp_path):
 def test_each_adapter_gets_its_rows_and_reward(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"q": "1+1=", "a": "2"}\n{"q": "2+2=", "a": "4"}\n')
-    config = load_config(None, ["model.path=/models/base", "adapters=[{name: add, data: {task: addition}}, "
-                                f"{{name: mine, data: {{task: null, path: {data}, prompt_key: q, label_key: a, reward: digit_match}}}}]"])
+    config = load_config(
+        None,
+        [
+            "model.path=/models/base",
+            "adapters=[{name: add, data: {task: addition}}, "
+            f"{{name: mine, data: {{task: null, path: {data}, prompt_key: q, label_key: a, reward: digit_match}}}}]",
+        ],
+    )
     checked = check_adapter_inputs(config)
     view, rows, reward = checked["mine"]
     assert rows == [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
     assert reward("24", "24", True) == 1.0 and view.data.reward == "digit_match"
     assert len(checked["add"][1]) == 100 * 100
     with pytest.raises(ConfigError, match=r"adapters\.1 \(mine\): .*bad\.jsonl"):
-        bad = load_config(None, ["model.path=/m", f"adapters=[{{name: add}}, {{name: mine, data: {{task: null, path: {tmp_path / 'bad.jsonl'}}}}}]"])
+        bad = load_config(
+            None,
+            [
+                "model.path=/m",
+                f"adapters=[{{name: add}}, {{name: mine, data: {{task: null, path: {tmp_path / 'bad.jsonl'}}}}}]",
+            ],
+        )
         check_adapter_inputs(bad)

@@ -2,16 +2,20 @@
 
 import pytest
 
+from miles.checkpoint import write_checkpoint
 from miles.resume import ResumePlan
+from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 
 
 def _run_dir(tmp_path, saved: int | None, trained: list[int], stored: list[int]):
     run_dir = RunDir(tmp_path)
-    store = run_dir.rollout_store()
+    store = RolloutStore(run_dir.rollouts)
     if saved is not None:
         state = {"weight_version": saved + 1, "data": {"position": 8 * (saved + 1), "seed": 0}}
-        run_dir.write_checkpoint(saved, state, lambda staging: (staging / "weights.bin").write_bytes(b"w"))
+        write_checkpoint(
+            run_dir.checkpoint(saved), saved, state, lambda staging: (staging / "weights.bin").write_bytes(b"w")
+        )
     ledger = run_dir.ledger()
     for rollout_id in trained:
         ledger.record(rollout_id, {"loss": float(rollout_id)})

@@ -9,12 +9,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from miles.checkpoint import read_state
-from miles.run_dir import RunDir
+from miles.checkpoint import latest_checkpoint, read_state
 from miles.config import ConfigError
 from miles.loop import run_sync
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.run import RLRun
+from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
 
 
@@ -24,7 +24,11 @@ def _metrics(run_dir) -> list[dict]:
 
 def test_miles_imports_no_prefect():
     modules = [p.relative_to(".").with_suffix("").as_posix().replace("/", ".") for p in Path("miles").rglob("*.py")]
-    code = "import sys\n" + "".join(f"import {m}\n" for m in modules if not m.endswith("__init__")) + "print('prefect' in sys.modules)"
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in modules if not m.endswith("__init__"))
+        + "print('prefect' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -45,7 +49,7 @@ def test_plain_loop_runs_and_records_the_run(ray_session, small_config):
     # Rollout i is sampled by the weights trained on rollouts < i.
     assert [m["weight_version"] for m in _metrics(run_dir)] == [0, 1, 2]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]
-    state = read_state(RunDir(run_dir).latest_checkpoint())
+    state = read_state(latest_checkpoint(RunDir(run_dir).checkpoints))
     assert state["rollout_id"] == 2 and state["weight_version"] == 3 and state["data"]["position"] == 24
     record = json.loads((run_dir / "run.json").read_text())
     assert record["initial_model"] == config.model.path and "torch" in record["versions"]
@@ -72,7 +76,7 @@ def test_resume_after_a_stopped_run_continues_at_the_next_rollout(ray_session, s
     assert [r["rollout_id"] for r in records] == [2, 3]
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3]
     assert rollout_2.stat().st_mtime_ns == generated_at  # reused, not regenerated
-    assert read_state(RunDir(config.run_dir).latest_checkpoint())["rollout_id"] == 3
+    assert read_state(latest_checkpoint(RunDir(config.run_dir).checkpoints))["rollout_id"] == 3
     starts = json.loads((Path(config.run_dir) / "run.json").read_text())["starts"]
     assert [s["rollout_id"] for s in starts] == [0, 2]
 
@@ -102,7 +106,9 @@ def test_iterations_per_run_trains_a_slice_then_the_next_run_resumes(ray_session
     config = small_config("iterations_per_run=2", num_rollout=5, save_interval=100)
     first = run_sync(config)
     assert [r["rollout_id"] for r in first] == [0, 1]
-    assert read_state(RunDir(config.run_dir).latest_checkpoint())["rollout_id"] == 1  # saved at the end of the slice
+    assert (
+        read_state(latest_checkpoint(RunDir(config.run_dir).checkpoints))["rollout_id"] == 1
+    )  # saved at the end of the slice
     assert [r["rollout_id"] for r in run_sync(config)] == [2, 3]
     assert [r["rollout_id"] for r in run_sync(config)] == [4]
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3, 4]
@@ -180,4 +186,6 @@ def test_samples_whose_reward_fails_are_counted_and_the_run_goes_on(small_config
     assert f"data.reward {reward!r} failed on 8 of 32 samples" in caplog.text
     table = pa.ipc.open_file(pa.memory_map(str(Path(config.run_dir) / "rollouts" / "rollout_0.arrow"))).read_all()
     failed = [row for row in table.to_pylist() if row["status"] == "failed"]
-    assert sorted({row["label"] for row in failed}) == ["nan", "raise"] and all(row["raw_reward"] is None for row in failed)
+    assert sorted({row["label"] for row in failed}) == ["nan", "raise"] and all(
+        row["raw_reward"] is None for row in failed
+    )

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 
 
@@ -93,10 +94,13 @@ def test_ledger_forget_after_sorts_numerically(tmp_path):
 def test_layout_names_every_file_and_an_adapter_has_a_run_dir_of_its_own(tmp_path):
     run_dir = RunDir(tmp_path)
     assert run_dir.checkpoint(7) == tmp_path / "checkpoints" / "7"
-    assert run_dir.rollout_store().path(3) == tmp_path / "rollouts" / "rollout_3.arrow"
+    assert RolloutStore(run_dir.rollouts).path(3) == tmp_path / "rollouts" / "rollout_3.arrow"
     assert run_dir.ledger().path == tmp_path / "ledger.json"
     adapter = run_dir.adapter("add")
-    assert adapter.path == tmp_path / "adapters" / "add" and adapter.checkpoint(0) == tmp_path / "adapters" / "add" / "checkpoints" / "0"
+    assert (
+        adapter.path == tmp_path / "adapters" / "add"
+        and adapter.checkpoint(0) == tmp_path / "adapters" / "add" / "checkpoints" / "0"
+    )
 
 
 def test_metrics_lines_of_rollouts_to_be_trained_again_are_dropped(tmp_path):

@@ -59,8 +59,13 @@ def test_jsonl_skips_blank_lines(tmp_path):
     assert load_rows(_config(path)) == EXPECTED[:2]
 
 
-@pytest.mark.parametrize("records", [[{"question": "q1", "answer": 1}, {"question": "q2"}],
-                                     [{"question": "q1", "answer": 1}, {"question": "q2", "answer": None}]])
+@pytest.mark.parametrize(
+    "records",
+    [
+        [{"question": "q1", "answer": 1}, {"question": "q2"}],
+        [{"question": "q1", "answer": 1}, {"question": "q2", "answer": None}],
+    ],
+)
 def test_missing_label_names_file_row_and_field(tmp_path, records):
     path = _write_jsonl(tmp_path / "p.jsonl", records)
     with pytest.raises(ValueError, match=rf"{path}: row 2 has no 'answer' value \(data.label_key"):
@@ -190,7 +195,9 @@ def test_prompts_that_fit_the_context_pass_even_when_one_fills_it_exactly(tokeni
 
 
 def test_a_prompt_too_long_for_the_context_names_file_and_row(tmp_path, tokenizer):
-    path = _write_jsonl(tmp_path / "p.jsonl", [{"question": "1+1="}, {"question": "1+1=" * 50}, {"question": "2+2=" * 60}])
+    path = _write_jsonl(
+        tmp_path / "p.jsonl", [{"question": "1+1="}, {"question": "1+1=" * 50}, {"question": "2+2=" * 60}]
+    )
     rows = load_rows(_config(path, label_key=None))
     lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"]]
     context = lengths[0] + 100

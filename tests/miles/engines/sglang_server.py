@@ -57,8 +57,13 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def _lora_answer(success: bool, error_message: str, loaded: dict | None) -> JSONResponse:
-    body = {"rid": None, "http_worker_ipc": None, "success": success, "error_message": error_message,
-            "loaded_adapters": dict(loaded) if loaded is not None else None}
+    body = {
+        "rid": None,
+        "http_worker_ipc": None,
+        "success": success,
+        "error_message": error_message,
+        "loaded_adapters": dict(loaded) if loaded is not None else None,
+    }
     return JSONResponse(body, status_code=200 if success else 400)
 
 
@@ -102,23 +107,42 @@ class StandInServer:
             return _error(400, "The length of sampling_params and lora_path must match the batch size.")
         if body.get("lora_path") and not self.args.enable_lora:
             first = next((a for a in adapters if a is not None), None)
-            return _error(400, f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server with "
-                               "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")
+            return _error(
+                400,
+                f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server with "
+                "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.",
+            )
         unknown = [a for a in adapters if a is not None and a not in self.lora_paths]
         if unknown:
-            return _error(400, f"Got LoRA adapter that has never been loaded: {unknown[0]}\n"
-                               f"All loaded adapters: dict_keys({list(self.lora_paths)}).")
+            return _error(
+                400,
+                f"Got LoRA adapter that has never been loaded: {unknown[0]}\n"
+                f"All loaded adapters: dict_keys({list(self.lora_paths)}).",
+            )
         requests = []
-        for prompt, p, adapter in zip(batch, params, adapters):
+        for prompt, p, adapter in zip(batch, params, adapters, strict=True):
             if p.get("top_k", -1) != -1 or p.get("n", 1) != 1:
                 return _error(400, "this stand-in server supports top_k=-1 and n=1 only")
-            sampling = SamplingParams(temperature=p.get("temperature", 1.0), top_p=p.get("top_p", 1.0),
-                                      max_new_tokens=p.get("max_new_tokens", 128), stop_token_ids=tuple(p.get("stop_token_ids") or ()))
-            requests.append(GenerateRequest(prompt_ids=list(prompt), sampling=sampling, adapter=adapter,
-                                            seed=p.get("sampling_seed", SGLANG_DEFAULT_SEED)))
+            sampling = SamplingParams(
+                temperature=p.get("temperature", 1.0),
+                top_p=p.get("top_p", 1.0),
+                max_new_tokens=p.get("max_new_tokens", 128),
+                stop_token_ids=tuple(p.get("stop_token_ids") or ()),
+            )
+            requests.append(
+                GenerateRequest(
+                    prompt_ids=list(prompt),
+                    sampling=sampling,
+                    adapter=adapter,
+                    seed=p.get("sampling_seed", SGLANG_DEFAULT_SEED),
+                )
+            )
         started = time.perf_counter()
         results = self._run(requests)
-        outputs = [self._output(r, q, p, body.get("return_logprob", False), started) for r, q, p in zip(results, requests, params)]
+        outputs = [
+            self._output(r, q, p, body.get("return_logprob", False), started)
+            for r, q, p in zip(results, requests, params, strict=True)
+        ]
         return JSONResponse(outputs[0] if single else outputs)
 
     def _output(self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float) -> dict:
@@ -129,12 +153,18 @@ class StandInServer:
             finish = {"type": "length", "length": len(result.output_ids)}
             output_ids = result.output_ids
         meta = {
-            "id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(request.prompt_ids),
-            "weight_version": self.weight_version, "completion_tokens": len(result.output_ids), "cached_tokens": 0,
+            "id": uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": len(request.prompt_ids),
+            "weight_version": self.weight_version,
+            "completion_tokens": len(result.output_ids),
+            "cached_tokens": 0,
             "e2e_latency": time.perf_counter() - started,
         }
         if return_logprob:
-            meta["output_token_logprobs"] = [[lp, token, None] for lp, token in zip(result.logprobs, result.output_ids)]
+            meta["output_token_logprobs"] = [
+                [lp, token, None] for lp, token in zip(result.logprobs, result.output_ids, strict=True)
+            ]
             meta["input_token_logprobs"] = []
         text = self.tokenizer.decode(output_ids, skip_special_tokens=params.get("skip_special_tokens", True))
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
@@ -159,15 +189,27 @@ class StandInServer:
     def update_from_disk(self, body: dict) -> JSONResponse:
         files = sorted(Path(body["model_path"]).glob("*.safetensors"))
         if not files:
-            return JSONResponse({"success": False, "message": f"Failed to update weights: no safetensors in {body['model_path']}",
-                                 "num_paused_requests": 0}, status_code=400)
+            return JSONResponse(
+                {
+                    "success": False,
+                    "message": f"Failed to update weights: no safetensors in {body['model_path']}",
+                    "num_paused_requests": 0,
+                },
+                status_code=400,
+            )
         try:
             tensors = {name: t for f in files for name, t in load_file(f).items()}
             with self._engine_lock:
                 _load_by_name(self.engine.model, tensors)
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed load, it does not crash
-            return JSONResponse({"success": False, "message": f"Failed to update weights: {exc}.\nRolling back to original weights.",
-                                 "num_paused_requests": 0}, status_code=400)
+            return JSONResponse(
+                {
+                    "success": False,
+                    "message": f"Failed to update weights: {exc}.\nRolling back to original weights.",
+                    "num_paused_requests": 0,
+                },
+                status_code=400,
+            )
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
         message = "Succeeded to update model weights."
@@ -180,15 +222,25 @@ class StandInServer:
         if not self.args.enable_lora:
             return _lora_answer(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", None)
         if name in self.lora_paths:
-            return _lora_answer(False, f"Failed to load LoRA adapter {name} because it is already loaded", self.lora_paths)
+            return _lora_answer(
+                False, f"Failed to load LoRA adapter {name} because it is already loaded", self.lora_paths
+            )
         config = json.loads((Path(path) / "adapter_config.json").read_text())
         if config["r"] > self.args.max_lora_rank:
-            return _lora_answer(False, f"LoRA adapter {name} with rank {config['r']} is incompatible with the current LoRA "
-                                       f"memory pool configuration (max_lora_rank {self.args.max_lora_rank}).", self.lora_paths)
+            return _lora_answer(
+                False,
+                f"LoRA adapter {name} with rank {config['r']} is incompatible with the current LoRA "
+                f"memory pool configuration (max_lora_rank {self.args.max_lora_rank}).",
+                self.lora_paths,
+            )
         targets = set(config["target_modules"])
         if not targets <= set(self.args.lora_target_modules or ()):
-            return _lora_answer(False, f"LoRA adapter {name} targets {sorted(targets)}, incompatible with the current LoRA "
-                                       f"memory pool configuration ({self.args.lora_target_modules}).", self.lora_paths)
+            return _lora_answer(
+                False,
+                f"LoRA adapter {name} targets {sorted(targets)}, incompatible with the current LoRA "
+                f"memory pool configuration ({self.args.lora_target_modules}).",
+                self.lora_paths,
+            )
         try:
             tensors = load_file(Path(path) / "adapter_model.safetensors")
             with self._engine_lock:
@@ -201,8 +253,11 @@ class StandInServer:
     def unload_lora(self, body: dict) -> JSONResponse:
         name = body["lora_name"]
         if name not in self.lora_paths:
-            return _lora_answer(False, f"LoRA with name {name} does not exist. Loaded LoRAs: odict_keys({list(self.lora_paths)})",
-                                self.lora_paths)
+            return _lora_answer(
+                False,
+                f"LoRA with name {name} does not exist. Loaded LoRAs: odict_keys({list(self.lora_paths)})",
+                self.lora_paths,
+            )
         with self._engine_lock:
             self.engine.unload_adapter(name)
         del self.lora_paths[name]
@@ -233,8 +288,12 @@ def build_app(server: StandInServer) -> FastAPI:
 
     @app.get("/model_info")
     def model_info():
-        return {"model_path": server.args.model_path, "tokenizer_path": server.args.model_path, "is_generation": True,
-                "weight_version": server.weight_version}
+        return {
+            "model_path": server.args.model_path,
+            "tokenizer_path": server.args.model_path,
+            "is_generation": True,
+            "weight_version": server.weight_version,
+        }
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     def generate(body: dict):
@@ -244,8 +303,10 @@ def build_app(server: StandInServer) -> FastAPI:
     def flush_cache():
         if server.running:
             return PlainTextResponse("Flush cache failed.\n", status_code=400)
-        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                                 "waiting requests, the operation will not be performed.)\n")
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+            "waiting requests, the operation will not be performed.)\n"
+        )
 
     @app.post("/pause_generation")
     def pause_generation(body: dict):
@@ -260,7 +321,9 @@ def build_app(server: StandInServer) -> FastAPI:
     @app.post("/begin_weight_update")
     def begin_weight_update(body: dict):
         if server.in_weight_update:
-            return JSONResponse({"success": False, "message": "a weight update session is already open"}, status_code=400)
+            return JSONResponse(
+                {"success": False, "message": "a weight update session is already open"}, status_code=400
+            )
         server.in_weight_update = True
         return {"success": True, "message": "Success"}
 

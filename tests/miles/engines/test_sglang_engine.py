@@ -38,8 +38,12 @@ def _start(tiny_model_dir, **kwargs) -> SGLangEngine:
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir):
     """One server for the module, with LoRA enabled as the multi-LoRA flow starts it."""
-    engine = _start(tiny_model_dir, weight_version=3, lora_rank=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                                         "gate_proj", "up_proj", "down_proj"])
+    engine = _start(
+        tiny_model_dir,
+        weight_version=3,
+        lora_rank=8,
+        lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     yield engine
     engine.shutdown()
 
@@ -57,9 +61,10 @@ def _requests_log(engine) -> list[str]:
 
 
 def _assert_same(got, expected):
-    assert [(r.output_ids, r.finish_reason, r.weight_version) for r in got] == \
-           [(r.output_ids, r.finish_reason, r.weight_version) for r in expected]
-    for g, e in zip(got, expected):
+    assert [(r.output_ids, r.finish_reason, r.weight_version) for r in got] == [
+        (r.output_ids, r.finish_reason, r.weight_version) for r in expected
+    ]
+    for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
 
 
@@ -90,9 +95,15 @@ def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, ti
     assert {r.weight_version for r in before} == {3} and {r.weight_version for r in after} == {4}  # read from meta_info
     assert [r.output_ids for r in after] != [r.output_ids for r in before]
     log = _requests_log(engine)
-    refit = log[log.index("POST /pause_generation"):]
-    assert refit[:6] == ["POST /pause_generation", "POST /flush_cache", "POST /begin_weight_update",
-                         "POST /update_weights_from_disk", "POST /end_weight_update", "POST /continue_generation"]
+    refit = log[log.index("POST /pause_generation") :]
+    assert refit[:6] == [
+        "POST /pause_generation",
+        "POST /flush_cache",
+        "POST /begin_weight_update",
+        "POST /update_weights_from_disk",
+        "POST /end_weight_update",
+        "POST /continue_generation",
+    ]
     assert [p.name for p in engine._work_dir.glob("weights-*")] == ["weights-4"]  # the previous push is removed
 
 
@@ -110,9 +121,14 @@ def test_adapters_are_loaded_replaced_and_unloaded(lora_engine, tiny_model_dir, 
     reference.load_adapter("a", *second, version=2)
     results = lora_engine.generate(mixed)
     _assert_same(results, reference.generate(mixed))
-    assert {r.weight_version for r in results[len(requests):]} == {2} and {r.weight_version for r in results[:len(requests)]} == {3}
+    assert {r.weight_version for r in results[len(requests) :]} == {2} and {
+        r.weight_version for r in results[: len(requests)]
+    } == {3}
     log = _requests_log(lora_engine)
-    assert log.count("POST /load_lora_adapter") == 2 and log[log.index("POST /unload_lora_adapter") + 1] == "POST /load_lora_adapter"
+    assert (
+        log.count("POST /load_lora_adapter") == 2
+        and log[log.index("POST /unload_lora_adapter") + 1] == "POST /load_lora_adapter"
+    )
 
     with pytest.raises(ValueError, match="frozen"):
         lora_engine.update_weights({}, 5)
@@ -131,7 +147,9 @@ def test_the_server_refuses_a_name_loaded_twice(lora_engine, make_lora, tmp_path
     answer = httpx.post(f"{lora_engine.url}/load_lora_adapter", json=body, trust_env=False)
     assert answer.status_code == 400
     assert answer.json()["error_message"] == "Failed to load LoRA adapter twice because it is already loaded"
-    httpx.post(f"{lora_engine.url}/unload_lora_adapter", json={"lora_name": "twice"}, trust_env=False).raise_for_status()
+    httpx.post(
+        f"{lora_engine.url}/unload_lora_adapter", json={"lora_name": "twice"}, trust_env=False
+    ).raise_for_status()
 
 
 def test_a_refused_request_is_a_value_error(engine):
@@ -167,7 +185,10 @@ def test_a_dead_failing_or_silent_server_raises_engine_unavailable(engine, token
 
 def test_a_server_that_cannot_start_names_its_exit_code_and_log(tiny_model_dir):
     config = STAND_IN.model_copy(update={"extra_args": ["--no-such-flag"]})
-    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 while starting; its log ends:.*unrecognized arguments: --no-such-flag"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)exited with code 2 while starting; its log ends:.*unrecognized arguments: --no-such-flag",
+    ):
         _start(tiny_model_dir, config=config)
 
 

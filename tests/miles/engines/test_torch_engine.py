@@ -29,8 +29,17 @@ def _seeded(requests, seed):
 
 def _table(requests, results, advantages=None) -> pa.Table:
     n = len(results)
-    return samples_table(requests, results, rollout_id=0, first_index=0, group_index=range(n), raw_reward=[0.0] * n,
-                         status=["completed"] * n, label=[""] * n, advantage=advantages or [0.0] * n)
+    return samples_table(
+        requests,
+        results,
+        rollout_id=0,
+        first_index=0,
+        group_index=range(n),
+        raw_reward=[0.0] * n,
+        status=["completed"] * n,
+        label=[""] * n,
+        advantage=advantages or [0.0] * n,
+    )
 
 
 def test_engine_logprobs_equal_trainer_logprobs(engine, tokenizer, tiny_model_dir, small_config):

@@ -40,7 +40,7 @@ def _with_adapter(requests, adapter):
 
 def _assert_same_samples(got, expected, atol=1e-5):
     assert len(got) == len(expected)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert g.output_ids == e.output_ids
         assert g.finish_reason == e.finish_reason
         assert g.weight_version == e.weight_version
@@ -142,9 +142,9 @@ def test_pushing_one_adapter_leaves_the_other_bit_identical(new_engine, make_lor
     after = engine.generate(requests)
 
     assert engine.adapter_versions() == {"a": 2, "b": 1}
-    for old, new in zip(before[1::2], after[1::2]):  # b: same tokens, same log-probs, bit for bit
+    for old, new in zip(before[1::2], after[1::2], strict=True):  # b: same tokens, same log-probs, bit for bit
         assert (new.output_ids, new.logprobs, new.weight_version) == (old.output_ids, old.logprobs, 1)
-    assert all(_differs(old, new) for old, new in zip(before[::2], after[::2]))
+    assert all(_differs(old, new) for old, new in zip(before[::2], after[::2], strict=True))
     assert {r.weight_version for r in after[::2]} == {2}
     # The replaced adapter is exactly the new one: as on an engine that only ever loaded the new weights.
     _assert_same_samples(after[::2], new_engine(a=(ta2, ca2, 2)).generate(_with_adapter(plain, "a")))
@@ -231,13 +231,13 @@ def test_load_adapter_refuses_tensors_that_do_not_match_the_config(new_engine, m
     assert "a" not in engine.adapter_versions()
 
 
-@pytest.mark.parametrize(
-    "name", ["addition", "b2", "mlp", "norm"]
-)
+@pytest.mark.parametrize("name", ["addition", "b2", "mlp", "norm"])
 def test_any_valid_adapter_name_loads_and_serves(new_engine, make_lora, tokenizer, name):
     AdapterConfig(name=name)  # a name the config accepts
     ta, ca = make_lora(1)
     engine = new_engine()
     engine.load_adapter(name, ta, ca, 5)
     plain = _seeded(_requests(tokenizer, PROMPTS[:2]), 0)
-    _assert_same_samples(engine.generate(_with_adapter(plain, name)), new_engine(a=(ta, ca, 5)).generate(_with_adapter(plain, "a")))
+    _assert_same_samples(
+        engine.generate(_with_adapter(plain, name)), new_engine(a=(ta, ca, 5)).generate(_with_adapter(plain, "a"))
+    )

@@ -30,7 +30,7 @@ def controller(ray_session, tiny_model_dir):
 
 def _assert_same_samples(got, expected):
     assert len(got) == len(expected)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert (g.output_ids, g.finish_reason, g.weight_version) == (e.output_ids, e.finish_reason, e.weight_version)
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
 
@@ -106,7 +106,7 @@ def test_two_threads_at_once_without_orchestration(controller, tokenizer):
         t.start()
     for t in threads:
         t.join(60)
-    for got, expected in zip(results, alone):
+    for got, expected in zip(results, alone, strict=True):
         _assert_same_samples(got, expected)
 
 
@@ -169,7 +169,9 @@ def recovering(request, ray_session, tiny_model_dir, make_lora):
     overrides = sglang_overrides() if request.param == "sglang" else []
     rollout = load_config(None, ["rollout.num_threads=1", "rollout.engine_timeout_s=20", *overrides]).rollout
     controller = InferenceController(str(tiny_model_dir), 0, rollout, [AdapterConfig(name="a")])
-    controller.generating_pid = lambda: (sglang_server_pid if request.param == "sglang" else actor_pid)(controller.engines[0])
+    controller.generating_pid = lambda: (sglang_server_pid if request.param == "sglang" else actor_pid)(
+        controller.engines[0]
+    )
     controller.update_weights(ray.put(perturbed_weights(tiny_model_dir, 11, 0.02)), 5)
     # Engines serving adapters refuse full-weight pushes, so the adapter comes after the weights.
     tensors, config = make_lora(3)
@@ -259,8 +261,11 @@ def test_an_engine_that_cannot_start_reports_why(ray_session, tiny_model_dir, to
     rollout = load_config(None, [*sglang_overrides(), "rollout.sglang.extra_args=[--no-such-flag]"]).rollout
     controller = InferenceController(str(tiny_model_dir), 0, rollout)
     try:
-        with pytest.raises(EngineRestarted, match=r"(?s)generate failed \(failed to start: RuntimeError: sglang server .* exited "
-                                                  r"with code 2 while starting; its log ends:.*unrecognized arguments: --no-such-flag"):
+        with pytest.raises(
+            EngineRestarted,
+            match=r"(?s)generate failed \(failed to start: RuntimeError: sglang server .* exited "
+            r"with code 2 while starting; its log ends:.*unrecognized arguments: --no-such-flag",
+        ):
             controller.generate(_requests(tokenizer, ["1+2="]))
     finally:
         controller.shutdown()

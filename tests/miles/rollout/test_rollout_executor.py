@@ -13,22 +13,31 @@ from miles.rewards import resolve_reward
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.rollout_executor import RolloutExecutor
 from miles.rollout.schema import ROLLOUT_SCHEMA
+from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
-
 from tests.miles.rollout.test_schema_store import rollout_table
 
 
 def _executor(tmp_path, global_batch_size, *overrides):
-    config = load_config(None, ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=5",
-                                f"train.global_batch_size={global_batch_size}", f"train.micro_batch_size={global_batch_size}",
-                                *overrides],
-                         run_dir=str(tmp_path))
+    config = load_config(
+        None,
+        [
+            "rollout.rollout_batch_size=4",
+            "rollout.n_samples_per_prompt=5",
+            f"train.global_batch_size={global_batch_size}",
+            f"train.micro_batch_size={global_batch_size}",
+            *overrides,
+        ],
+        run_dir=str(tmp_path),
+    )
 
     class Tok:
         eos_token_id = 2
 
-    store = RunDir(tmp_path).rollout_store()
-    return RolloutExecutor(config, None, Tok(), DataSource([{"prompt": "1+1=", "label": "2"}], seed=0), store, None), store
+    store = RolloutStore(RunDir(tmp_path).rollouts)
+    return RolloutExecutor(
+        config, None, Tok(), DataSource([{"prompt": "1+1=", "label": "2"}], seed=0), store, None
+    ), store
 
 
 def test_get_normalises_per_group_and_trims_to_whole_global_batches(tmp_path):
@@ -43,7 +52,11 @@ def test_get_normalises_per_group_and_trims_to_whole_global_batches(tmp_path):
     # Each group is (0, 1): mean 0.5, unbiased std sqrt(0.5), so the advantages are -/+ 0.5/sqrt(0.5).
     expected = np.tile([-0.5 / (np.sqrt(0.5) + 1e-6), 0.5 / (np.sqrt(0.5) + 1e-6)], 4)
     np.testing.assert_allclose(handed.column("advantage").to_numpy(), expected, rtol=1e-6)
-    assert stats == {"staleness_mean": 0.0, "dropped_groups": 0, "failed_samples": 0}  # rollout_table stamps weight_version = rollout_id
+    assert stats == {
+        "staleness_mean": 0.0,
+        "dropped_groups": 0,
+        "failed_samples": 0,
+    }  # rollout_table stamps weight_version = rollout_id
 
 
 def test_get_refuses_a_rollout_smaller_than_one_global_batch(tmp_path):
@@ -77,14 +90,18 @@ def test_groups_staler_than_the_bound_are_dropped_and_counted(tmp_path):
 def test_a_staleness_bound_that_leaves_less_than_a_batch_says_so(tmp_path):
     executor, store = _executor(tmp_path, 4, "rollout.max_weight_staleness=0")
     store.write(2, _with_versions(rollout_table(n=10), [4] * 10))
-    with pytest.raises(ValueError, match=r"dropping 5 groups staler than rollout.max_weight_staleness=0.*global_batch_size"):
+    with pytest.raises(
+        ValueError, match=r"dropping 5 groups staler than rollout.max_weight_staleness=0.*global_batch_size"
+    ):
         executor.get(2, trainer_version=5)
 
 
 def _with_failed(table, failed):
     """`table` with the samples at positions `failed` as generate stores samples whose reward failed."""
     rewards = [None if i in failed else r for i, r in enumerate(table.column("raw_reward").to_pylist())]
-    statuses = ["failed" if i in failed else s for i, s in enumerate(table.column("status").cast(pa.string()).to_pylist())]
+    statuses = [
+        "failed" if i in failed else s for i, s in enumerate(table.column("status").cast(pa.string()).to_pylist())
+    ]
     return _with_column(_with_column(table, "raw_reward", rewards), "status", statuses)
 
 
@@ -109,11 +126,21 @@ def test_failed_samples_are_left_out_before_staleness_and_advantages(tmp_path):
 def test_too_few_samples_after_failures_names_the_failed_count(tmp_path):
     executor, store = _executor(tmp_path, 4, "rollout.max_weight_staleness=0")
     store.write(0, _with_versions(_with_failed(rollout_table(n=10), {0, 1, 2, 3, 4}), [0] * 8 + [-1] * 2))
-    with pytest.raises(ValueError, match=r"has 3 samples after excluding 5 failed samples and dropping 1 groups staler"):
+    with pytest.raises(
+        ValueError, match=r"has 3 samples after excluding 5 failed samples and dropping 1 groups staler"
+    ):
         executor.get(0, trainer_version=0)
 
 
-LABELS = ["2", "raise", "nan", "8", "inf", "none", "text"]  # rewards_for_tests.fails_on_some_labels fails on all but digits
+LABELS = [
+    "2",
+    "raise",
+    "nan",
+    "8",
+    "inf",
+    "none",
+    "text",
+]  # rewards_for_tests.fails_on_some_labels fails on all but digits
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +151,19 @@ def controller(ray_session, tiny_model_dir):
 
 
 def _generating_executor(tmp_path, controller, tokenizer, reward: str):
-    config = load_config(None, [f"rollout.rollout_batch_size={len(LABELS)}", "rollout.n_samples_per_prompt=2",
-                                "train.global_batch_size=2", "train.micro_batch_size=2", f"data.reward={reward}"],
-                         run_dir=str(tmp_path))
+    config = load_config(
+        None,
+        [
+            f"rollout.rollout_batch_size={len(LABELS)}",
+            "rollout.n_samples_per_prompt=2",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+            f"data.reward={reward}",
+        ],
+        run_dir=str(tmp_path),
+    )
     rows = [{"prompt": f"{k}+1=", "label": label} for k, label in enumerate(LABELS)]
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     data = DataSource(rows, seed=0, shuffle=False)
     return RolloutExecutor(config, controller, tokenizer, data, store, resolve_reward(config.data.reward)), store
 

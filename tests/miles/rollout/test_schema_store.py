@@ -15,6 +15,7 @@ from miles.rollout.schema import (
     rollout_metadata,
     with_rollout_metadata,
 )
+from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 
 
@@ -47,7 +48,7 @@ def test_metadata_helpers():
 
 
 def test_round_trip(tmp_path):
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     table = with_rollout_metadata(rollout_table(), rollout_id=5, weight_version=7)
     assert not store.exists(5)
     path = store.write(5, table)
@@ -63,14 +64,14 @@ def test_round_trip(tmp_path):
 
 
 def test_overwrite_replaces(tmp_path):
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     store.write(1, rollout_table(3))
     store.write(1, rollout_table(4))
     assert store.read(1).num_rows == 4
 
 
 def test_missing_column_rejected_with_its_name(tmp_path):
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     table = rollout_table().drop_columns(["advantage"])
     with pytest.raises(ValueError, match="advantage") as info:
         store.write(2, table)
@@ -87,15 +88,17 @@ def test_wrong_type_rejected():
 
 
 def test_a_null_reward_round_trips(tmp_path):
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     table = rollout_table()
     index = table.schema.get_field_index("raw_reward")
-    store.write(1, table.set_column(index, ROLLOUT_SCHEMA.field("raw_reward"), pa.array([0.0, None, 1.0], pa.float32())))
+    store.write(
+        1, table.set_column(index, ROLLOUT_SCHEMA.field("raw_reward"), pa.array([0.0, None, 1.0], pa.float32()))
+    )
     assert store.read(1).column("raw_reward").to_pylist() == [0.0, None, 1.0]
 
 
 def test_read_checks_schema(tmp_path):
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     table = rollout_table().drop_columns(["label"])
     with pa.OSFile(str(store.path(9)), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
@@ -105,14 +108,14 @@ def test_read_checks_schema(tmp_path):
 
 
 def test_write_leaves_no_temp_files(tmp_path):
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     store.write(0, rollout_table())
     store.write(1, rollout_table())
     assert sorted(p.name for p in store.root.iterdir()) == ["rollout_0.arrow", "rollout_1.arrow"]
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
 
     def broken_replace(src, dst):
         raise OSError("disk gone")
@@ -125,7 +128,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_failed_rewrite_keeps_the_old_file(tmp_path, monkeypatch):
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     store.write(3, rollout_table(3))
 
     def broken_write_table(self, table, *args, **kwargs):
@@ -142,7 +145,7 @@ def test_failed_rewrite_keeps_the_old_file(tmp_path, monkeypatch):
 def test_whole_file_is_synced_before_rename(tmp_path, monkeypatch):
     """The bytes on disk at fsync time must be the complete IPC file (footer included),
     otherwise a crash after the rename can leave a truncated, unreadable rollout."""
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     synced_sizes = []
     real_fsync = os.fsync
 
@@ -160,6 +163,6 @@ def test_temp_files_of_a_killed_writer_are_cleared_and_never_read_as_rollouts(tm
     (tmp_path / "rollouts").mkdir()
     unfinished = tmp_path / "rollouts" / ".rollout_3.arrow.k2j4x"
     unfinished.write_bytes(b"ARROW1\x00\x00 cut short")
-    store = RunDir(tmp_path).rollout_store()
+    store = RolloutStore(RunDir(tmp_path).rollouts)
     assert not unfinished.exists()
     assert not store.exists(3)

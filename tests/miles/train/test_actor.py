@@ -47,10 +47,18 @@ def test_kl_loss_pulls_the_policy_toward_the_frozen_reference(small_config, tiny
     batch = batch_from_table(rollout, 0)
 
     def drift(coef: float) -> tuple[dict, float]:
-        actor = _actor(small_config, tiny_model_dir, tmp_path / str(coef), "algo.use_kl_loss=true",
-                       f"algo.kl_loss_coef={coef}", "train.num_passes=3")
+        actor = _actor(
+            small_config,
+            tiny_model_dir,
+            tmp_path / str(coef),
+            "algo.use_kl_loss=true",
+            f"algo.kl_loss_coef={coef}",
+            "train.num_passes=3",
+        )
         metrics = actor.train(0, rollout)
-        gap = batch_logprobs(actor.model, batch, actor.config, actor.device) - batch_logprobs(actor.ref_model, batch, actor.config, actor.device)
+        gap = batch_logprobs(actor.model, batch, actor.config, actor.device) - batch_logprobs(
+            actor.ref_model, batch, actor.config, actor.device
+        )
         assert all(not p.requires_grad for p in actor.ref_model.parameters())
         return metrics, float(gap[batch.response_mask].abs().mean())
 
@@ -66,5 +74,3 @@ def test_rollout_logprobs_as_the_old_policy(small_config, tiny_model_dir, tmp_pa
     # On-policy in fp32 the engine's log-probs are the trainer's: nothing is clipped on the first step.
     assert metrics["clip_fraction"] == 0.0
     assert metrics["train_rollout_logprob_abs_diff"] < 1e-5
-
-

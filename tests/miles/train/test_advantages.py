@@ -25,7 +25,7 @@ STD = [math.sqrt(1 / 3), math.sqrt(0.5), 0.0, math.sqrt(1 / 3), 0.0, math.sqrt(0
 @pytest.mark.parametrize("eps", [1e-6, 0.1])
 def test_hand_computation(eps):
     out = grpo_advantages(REWARDS, GROUPS, eps=eps)
-    expected = [c / (s + eps) for c, s in zip(CENTRED, STD)]
+    expected = [c / (s + eps) for c, s in zip(CENTRED, STD, strict=True)]
     assert out.dtype == np.float32
     assert out.shape == REWARDS.shape
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)

@@ -14,7 +14,13 @@ PAD = 13
 # Three samples with different prompt and response lengths (the widest is 6 tokens).
 SAMPLES = [
     dict(prompt=[1, 5, 6], response=[7, 8], logprobs=[-0.1, -0.2], loss_mask=[1, 1], advantage=0.5),
-    dict(prompt=[1, 4], response=[9, 10, 11, 2], logprobs=[-0.3, -0.4, -0.5, -0.6], loss_mask=[1, 0, 1, 1], advantage=-1.0),
+    dict(
+        prompt=[1, 4],
+        response=[9, 10, 11, 2],
+        logprobs=[-0.3, -0.4, -0.5, -0.6],
+        loss_mask=[1, 0, 1, 1],
+        advantage=-1.0,
+    ),
     dict(prompt=[1, 3, 4, 5, 6], response=[12], logprobs=[-0.7], loss_mask=[0], advantage=2.0),
 ]
 

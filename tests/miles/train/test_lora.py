@@ -123,7 +123,9 @@ def test_checkpoint_is_a_peft_directory_that_reproduces_the_engine_logprobs(trai
     mask = batch.response_mask
     assert mask.sum() == sum(len(r.output_ids) for r in results) > 0
 
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), adapter_dir)
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), adapter_dir
+    )
     peft_model.eval()
     _assert_equal_dicts(get_peft_model_state_dict(peft_model), actor.adapter_weights("a"))
     peft_lp = batch_logprobs(peft_model, batch, view, torch.device("cpu"))
