@@ -1,6 +1,6 @@
 """InferenceController: owns the engine actors, batches concurrent callers together, pushes versioned weights.
 
-Several callers (the branches of the multi-LoRA flow) may call `generate` at once: calls that arrive while a
+Several callers (the adapters of the multi-LoRA flow) may call `generate` at once: calls that arrive while a
 batch is on the engines are merged into the next batch, so requests of different adapters share one forward
 pass. Weight and adapter pushes wait for the batch on the engines; a generation never sees weights change.
 
