@@ -34,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from flows.runtime import configure_prefect
+    from flows.runtime import configure_prefect, start_ephemeral_api
 
     configure_prefect()
+    start_ephemeral_api()
     state = rl_flow.load()(config, return_state=True)
     if not state.is_completed():
         print(f"flow run ended {state.name}: {state.message}", file=sys.stderr)

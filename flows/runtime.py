@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
@@ -17,6 +18,52 @@ def configure_prefect(project_dir: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "miles")
     # The terminal gets warnings and our progress lines; the API (and so the UI) still gets every INFO log.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+
+def start_ephemeral_api() -> None:
+    """Start Prefect's ephemeral API server now, in a session of its own (unless PREFECT_API_URL names a server).
+
+    Prefect would start it on first use in this process's group, where a Ctrl-C or a group kill (`timeout`, a job
+    runner) stops it at once while this process still reports the crash through it: "Error logging to API", minutes
+    of retries, and a flow run left Running in the UI. Prefect stops the server at exit, after the last logs; on
+    Linux the kernel also stops it when this process is killed outright.
+    """
+    import subprocess
+
+    from prefect.server.api import server as api_server
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    on_parent_exit = None
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may only call into it
+
+        def on_parent_exit() -> None:
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG; this (the main) thread lives as long as the process
+
+    class NewSession:
+        """`subprocess` as Prefect's server launch sees it: Popen starts a session of its own."""
+
+        def __getattr__(self, name):
+            return getattr(subprocess, name)
+
+        @staticmethod
+        def Popen(*args, **kwargs):
+            return subprocess.Popen(*args, start_new_session=True, preexec_fn=on_parent_exit, **kwargs)
+
+    class Server(api_server.SubprocessASGIServer):  # the singleton that get_client() then finds and reuses
+        def _run_uvicorn_command(self):
+            api_server.subprocess = NewSession()
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                api_server.subprocess = subprocess
+
+    Server().start()
 
 
 def drain_task_history(flow, flow_run, state) -> None:

@@ -97,7 +97,7 @@ def test_killed_flow_process_resumes_at_the_right_rollout(ray_session, tmp_path,
         time.sleep(0.5)
         os.kill(first.pid, signal.SIGKILL)
     finally:
-        try:  # what the killed process leaves behind (the frozen trainer, its API server) goes too
+        try:  # what the killed process leaves behind (the frozen trainer) goes too; its API server dies with it
             os.killpg(first.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass

@@ -24,8 +24,7 @@ from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
 from tests.helpers import SGLANG_STAND_IN, perturbed_weights
 from tests.helpers.faults import sglang_server_pid
-from tests.miles.engines.test_torch_engine import _requests, _seeded
-from tests.miles.engines.test_torch_engine_adapters import PROMPTS, _with_adapter
+from tests.helpers.samples import ADAPTER_PROMPTS, make_requests, seeded, with_adapter
 
 STAND_IN = SGLangConfig(server_module=SGLANG_STAND_IN, health_timeout_s=5)
 
@@ -70,7 +69,7 @@ def _assert_same(got, expected):
 
 def test_samples_equal_the_torch_engine(lora_engine, tiny_model_dir, tokenizer):
     assert isinstance(lora_engine, RolloutEngine)
-    requests = _seeded(_requests(tokenizer, PROMPTS * 3, max_new_tokens=2, temperature=0.9, top_p=0.95), 7)
+    requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS * 3, max_new_tokens=2, temperature=0.9, top_p=0.95), 7)
     reference = TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
 
     results = lora_engine.generate(requests)
@@ -83,7 +82,7 @@ def test_samples_equal_the_torch_engine(lora_engine, tiny_model_dir, tokenizer):
 
 def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, tiny_model_dir, tokenizer):
     weights = perturbed_weights(tiny_model_dir, 1, 0.05)
-    requests = _seeded(_requests(tokenizer, PROMPTS, max_new_tokens=6), 3)
+    requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=6), 3)
     reference = TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
     before = engine.generate(requests)
 
@@ -109,8 +108,8 @@ def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, ti
 
 def test_adapters_are_loaded_replaced_and_unloaded(lora_engine, tiny_model_dir, tokenizer, make_lora):
     first, second = make_lora(1), make_lora(2)
-    requests = _seeded(_requests(tokenizer, PROMPTS, max_new_tokens=6), 9)
-    mixed = requests + _with_adapter(requests, "a")
+    requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=6), 9)
+    mixed = requests + with_adapter(requests, "a")
     reference = TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
 
     lora_engine.load_adapter("a", *first, version=1)
@@ -135,7 +134,7 @@ def test_adapters_are_loaded_replaced_and_unloaded(lora_engine, tiny_model_dir, 
     lora_engine.unload_adapter("a")
     assert lora_engine.adapter_versions() == {}
     with pytest.raises(ValueError, match="not loaded"):
-        lora_engine.generate(_with_adapter(requests, "a"))
+        lora_engine.generate(with_adapter(requests, "a"))
 
 
 def test_the_server_refuses_a_name_loaded_twice(lora_engine, make_lora, tmp_path):
@@ -160,7 +159,7 @@ def test_a_refused_request_is_a_value_error(engine):
 
 @pytest.mark.parametrize("fault", ["connection refused", "5xx", "timeout"])
 def test_a_dead_failing_or_silent_server_raises_engine_unavailable(engine, tokenizer, fault):
-    requests = _requests(tokenizer, PROMPTS, max_new_tokens=4)
+    requests = make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=4)
     pid = engine._process.pid
     if fault == "connection refused":
         os.killpg(pid, signal.SIGKILL)

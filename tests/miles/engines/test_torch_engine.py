@@ -1,15 +1,12 @@
-import dataclasses
-
-import pyarrow as pa
 import pytest
 import torch
 
-from miles.engines import GenerateRequest, RolloutEngine, SamplingParams
+from miles.engines import RolloutEngine
 from miles.engines.torch_engine import TorchEngine
-from miles.rollout.schema import samples_table
 from miles.train.actor import TrainActor
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs
+from tests.helpers.samples import make_requests, seeded, training_table
 
 
 @pytest.fixture(scope="module")
@@ -17,37 +14,12 @@ def engine(tiny_model_dir):
     return TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
 
 
-def _requests(tokenizer, prompts, **sampling):
-    params = SamplingParams(stop_token_ids=(tokenizer.eos_token_id,), **{"max_new_tokens": 4, **sampling})
-    return [GenerateRequest(prompt_ids=tokenizer(p)["input_ids"], sampling=params) for p in prompts]
-
-
-def _seeded(requests, seed):
-    """The requests with seeds seed * 10_000 + i, as a rollout gives them."""
-    return [dataclasses.replace(r, seed=seed * 10_000 + i) for i, r in enumerate(requests)]
-
-
-def _table(requests, results, advantages=None) -> pa.Table:
-    n = len(results)
-    return samples_table(
-        requests,
-        results,
-        rollout_id=0,
-        first_index=0,
-        group_index=range(n),
-        raw_reward=[0.0] * n,
-        status=["completed"] * n,
-        label=[""] * n,
-        advantage=advantages or [0.0] * n,
-    )
-
-
 def test_engine_logprobs_equal_trainer_logprobs(engine, tokenizer, tiny_model_dir, small_config):
     prompts = ["1+2=", "45+67=", "9+99=", "10+0=", "3+14="] * 4
-    requests = _requests(tokenizer, prompts)
-    results = engine.generate(_seeded(requests, 7))
+    requests = make_requests(tokenizer, prompts)
+    results = engine.generate(seeded(requests, 7))
     trainer = TrainActor(small_config(), str(tiny_model_dir))
-    batch = batch_from_table(_table(requests, results), trainer.pad_token_id)
+    batch = batch_from_table(training_table(requests, results), trainer.pad_token_id)
     trainer_lp = batch_logprobs(trainer.model, batch, trainer.config, trainer.device)
     mask = batch.response_mask
     assert mask.sum() == sum(len(r.output_ids) for r in results)
@@ -61,10 +33,10 @@ def test_torch_engine_implements_the_engine_protocol(engine):
 
 
 def test_generation_is_reproducible_per_seed_and_reports_version(engine, tokenizer):
-    requests = _requests(tokenizer, ["12+34=", "5+5="] * 8)
-    first = engine.generate(_seeded(requests, 1))
-    again = engine.generate(_seeded(requests, 1))
-    other = engine.generate(_seeded(requests, 2))
+    requests = make_requests(tokenizer, ["12+34=", "5+5="] * 8)
+    first = engine.generate(seeded(requests, 1))
+    again = engine.generate(seeded(requests, 1))
+    other = engine.generate(seeded(requests, 2))
     assert [r.output_ids for r in first] == [r.output_ids for r in again]
     assert [r.output_ids for r in first] != [r.output_ids for r in other]
     assert {r.weight_version for r in first} == {3}
@@ -72,7 +44,7 @@ def test_generation_is_reproducible_per_seed_and_reports_version(engine, tokeniz
 
 def test_stop_and_length_finish_reasons(engine, tokenizer):
     eos = tokenizer.eos_token_id
-    results = engine.generate(_seeded(_requests(tokenizer, ["1+1="] * 32, max_new_tokens=2), 0))
+    results = engine.generate(seeded(make_requests(tokenizer, ["1+1="] * 32, max_new_tokens=2), 0))
     for r in results:
         assert 1 <= len(r.output_ids) <= 2
         if r.finish_reason == "stop":
@@ -82,17 +54,17 @@ def test_stop_and_length_finish_reasons(engine, tokenizer):
 
 
 def test_top_p_keeps_only_the_most_likely_token_when_tiny(engine, tokenizer):
-    greedy_like = engine.generate(_seeded(_requests(tokenizer, ["23+45="] * 8, top_p=1e-6), 3))
+    greedy_like = engine.generate(seeded(make_requests(tokenizer, ["23+45="] * 8, top_p=1e-6), 3))
     assert len({tuple(r.output_ids) for r in greedy_like}) == 1
 
 
 def test_update_weights_changes_outputs_and_version(tiny_model_dir, tokenizer):
     engine = TorchEngine(str(tiny_model_dir), num_threads=1)
-    requests = _requests(tokenizer, ["7+8="] * 4)
-    before = engine.generate(_seeded(requests, 0))
+    requests = make_requests(tokenizer, ["7+8="] * 4)
+    before = engine.generate(seeded(requests, 0))
     weights = {k: torch.zeros_like(v) for k, v in engine.model.state_dict().items()}
     engine.update_weights(weights, version=5)
-    after = engine.generate(_seeded(requests, 0))
+    after = engine.generate(seeded(requests, 0))
     assert engine.weight_version() == 5 and {r.weight_version for r in after} == {5}
     # All-zero weights give uniform logits: every token has log-prob -log(vocab).
     vocab = engine.model.config.vocab_size

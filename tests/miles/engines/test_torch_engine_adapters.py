@@ -11,9 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
-from tests.miles.engines.test_torch_engine import _requests, _seeded
-
-PROMPTS = ["1+2=", "45+67=", "9+99=", "3+", "10+0=", "88+8="]
+from tests.helpers.samples import ADAPTER_PROMPTS, make_requests, seeded, with_adapter
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +30,6 @@ def new_engine(tiny_model_dir):
         return engine
 
     return make
-
-
-def _with_adapter(requests, adapter):
-    return [dataclasses.replace(r, adapter=adapter) for r in requests]
 
 
 def _assert_same_samples(got, expected, atol=1e-5):
@@ -57,14 +51,14 @@ def _differs(a, b, atol=1e-4) -> bool:
 
 
 def test_a_request_samples_the_same_alone_and_inside_any_batch(engine, tokenizer):
-    requests = _seeded(_requests(tokenizer, PROMPTS * 3, max_new_tokens=6), 5)
+    requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS * 3, max_new_tokens=6), 5)
     batched = engine.generate(requests)
     reversed_batch = engine.generate(requests[::-1])[::-1]
     _assert_same_samples(reversed_batch, batched)
     for i in (0, 3, 7, 11, 17):  # prompts of every length, so left padding differs between alone and batched
         _assert_same_samples(engine.generate([requests[i]]), [batched[i]])
     # Inside a batch of other prompts with other seeds, too.
-    others = _seeded(_requests(tokenizer, ["77+77=", "2+"] * 5, max_new_tokens=6), 9)
+    others = seeded(make_requests(tokenizer, ["77+77=", "2+"] * 5, max_new_tokens=6), 9)
     mixed = engine.generate(others[:5] + [requests[4]] + others[5:])
     _assert_same_samples([mixed[5]], [batched[4]])
 
@@ -73,7 +67,7 @@ def test_a_request_samples_the_same_alone_and_inside_any_batch(engine, tokenizer
 def test_first_token_frequencies_match_the_reported_probabilities(engine, tokenizer, temperature):
     n = 4000
     prompt = tokenizer("12+")["input_ids"]  # the next token is the first digit of b: a spread-out distribution
-    requests = _requests(tokenizer, ["12+"] * n, max_new_tokens=1, temperature=temperature)
+    requests = make_requests(tokenizer, ["12+"] * n, max_new_tokens=1, temperature=temperature)
     results = engine.generate([dataclasses.replace(r, seed=1_000 + i) for i, r in enumerate(requests)])
 
     with torch.no_grad():
@@ -93,7 +87,7 @@ def test_first_token_frequencies_match_the_reported_probabilities(engine, tokeni
 
 
 def test_different_seeds_give_different_samples(engine, tokenizer):
-    base = _requests(tokenizer, ["12+"] * 64, max_new_tokens=4)
+    base = make_requests(tokenizer, ["12+"] * 64, max_new_tokens=4)
     low = engine.generate([dataclasses.replace(r, seed=i) for i, r in enumerate(base)])
     high = engine.generate([dataclasses.replace(r, seed=i << 32) for i, r in enumerate(base)])  # only high bits differ
     for results in (low, high):
@@ -111,11 +105,11 @@ def test_mixed_adapter_batch_equals_one_batch_per_adapter(new_engine, make_lora,
     (ta, ca), (tb, cb) = make_lora(1), make_lora(2)
     engine = new_engine(a=(ta, ca, 10), b=(tb, cb, 20))
     assert engine.adapter_versions() == {"a": 10, "b": 20} and engine.weight_version() == 3
-    plain = _seeded(_requests(tokenizer, PROMPTS, max_new_tokens=6), 3)
+    plain = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=6), 3)
     names = ["a", "b", None]
     mixed_requests = [dataclasses.replace(r, adapter=n) for r in plain for n in names]
     mixed = engine.generate(mixed_requests)
-    alone = {n: engine.generate(_with_adapter(plain, n)) for n in names}
+    alone = {n: engine.generate(with_adapter(plain, n)) for n in names}
     for j, name in enumerate(names):
         _assert_same_samples(mixed[j :: len(names)], alone[name])
     assert {r.weight_version for r in alone["a"]} == {10}
@@ -133,7 +127,7 @@ def test_mixed_adapter_batch_equals_one_batch_per_adapter(new_engine, make_lora,
 def test_pushing_one_adapter_leaves_the_other_bit_identical(new_engine, make_lora, tokenizer, new_rank):
     (ta, ca), (tb, cb) = make_lora(1), make_lora(2)
     engine = new_engine(a=(ta, ca, 1), b=(tb, cb, 1))
-    plain = _seeded(_requests(tokenizer, PROMPTS, max_new_tokens=6), 4)
+    plain = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=6), 4)
     requests = [dataclasses.replace(r, adapter=n) for r in plain for n in ("a", "b")]
     before = engine.generate(requests)
 
@@ -147,21 +141,21 @@ def test_pushing_one_adapter_leaves_the_other_bit_identical(new_engine, make_lor
     assert all(_differs(old, new) for old, new in zip(before[::2], after[::2], strict=True))
     assert {r.weight_version for r in after[::2]} == {2}
     # The replaced adapter is exactly the new one: as on an engine that only ever loaded the new weights.
-    _assert_same_samples(after[::2], new_engine(a=(ta2, ca2, 2)).generate(_with_adapter(plain, "a")))
+    _assert_same_samples(after[::2], new_engine(a=(ta2, ca2, 2)).generate(with_adapter(plain, "a")))
 
 
 def test_unloaded_adapter_is_refused_by_name(new_engine, make_lora, tokenizer):
     (ta, ca), (tb, cb) = make_lora(1), make_lora(2)
     engine = new_engine(a=(ta, ca, 1), b=(tb, cb, 1))
-    plain = _seeded(_requests(tokenizer, PROMPTS[:3]), 0)
-    before_a, before_base = engine.generate(_with_adapter(plain, "a")), engine.generate(plain)
+    plain = seeded(make_requests(tokenizer, ADAPTER_PROMPTS[:3]), 0)
+    before_a, before_base = engine.generate(with_adapter(plain, "a")), engine.generate(plain)
     engine.unload_adapter("b")
     assert engine.adapter_versions() == {"a": 1}
     with pytest.raises(ValueError, match="'b'"):
-        engine.generate(_with_adapter(plain, "b"))
+        engine.generate(with_adapter(plain, "b"))
     with pytest.raises(ValueError, match="'b'"):  # one unknown adapter in a mixed batch refuses the batch
-        engine.generate(_with_adapter(plain, "a") + _with_adapter(plain[:1], "b"))
-    _assert_same_samples(engine.generate(_with_adapter(plain, "a")), before_a)
+        engine.generate(with_adapter(plain, "a") + with_adapter(plain[:1], "b"))
+    _assert_same_samples(engine.generate(with_adapter(plain, "a")), before_a)
     _assert_same_samples(engine.generate(plain), before_base)
     engine.unload_adapter("b")  # unloading an adapter that is not loaded is a no-op
     assert engine.adapter_versions() == {"a": 1}
@@ -170,25 +164,25 @@ def test_unloaded_adapter_is_refused_by_name(new_engine, make_lora, tokenizer):
 def test_unloading_the_first_loaded_adapter_keeps_the_others(new_engine, make_lora, tokenizer):
     (ta, ca), (tb, cb) = make_lora(1), make_lora(2)
     engine = new_engine(a=(ta, ca, 1), b=(tb, cb, 1))
-    plain = _seeded(_requests(tokenizer, PROMPTS[:3]), 0)
-    before_b = engine.generate(_with_adapter(plain, "b"))
+    plain = seeded(make_requests(tokenizer, ADAPTER_PROMPTS[:3]), 0)
+    before_b = engine.generate(with_adapter(plain, "b"))
     engine.unload_adapter("a")
     assert engine.adapter_versions() == {"b": 1}
     with pytest.raises(ValueError, match="'a'"):
-        engine.generate(_with_adapter(plain, "a"))
-    _assert_same_samples(engine.generate(_with_adapter(plain, "b")), before_b)
+        engine.generate(with_adapter(plain, "a"))
+    _assert_same_samples(engine.generate(with_adapter(plain, "b")), before_b)
 
 
 def test_unloading_every_adapter_serves_the_base_again(new_engine, make_lora, tokenizer):
     ta, ca = make_lora(1)
     engine = new_engine(a=(ta, ca, 1))
-    plain = _seeded(_requests(tokenizer, PROMPTS[:3]), 0)
+    plain = seeded(make_requests(tokenizer, ADAPTER_PROMPTS[:3]), 0)
     before = engine.generate(plain)
     engine.unload_adapter("a")
     assert engine.adapter_versions() == {}
     _assert_same_samples(engine.generate(plain), before)
     with pytest.raises(ValueError, match="'a'"):
-        engine.generate(_with_adapter(plain, "a"))
+        engine.generate(with_adapter(plain, "a"))
 
 
 def test_update_weights_after_unloading_every_adapter(new_engine, make_lora, tiny_model_dir):
@@ -201,19 +195,19 @@ def test_update_weights_after_unloading_every_adapter(new_engine, make_lora, tin
 
 
 def test_requests_for_an_adapter_never_loaded_are_refused(engine, new_engine, make_lora, tokenizer):
-    plain = _seeded(_requests(tokenizer, PROMPTS[:2]), 0)
+    plain = seeded(make_requests(tokenizer, ADAPTER_PROMPTS[:2]), 0)
     with pytest.raises(ValueError, match="'nope'"):
-        engine.generate(_with_adapter(plain, "nope"))  # an engine without any adapter
+        engine.generate(with_adapter(plain, "nope"))  # an engine without any adapter
     ta, ca = make_lora(1)
     with_a = new_engine(a=(ta, ca, 1))
     with pytest.raises(ValueError, match="'nope'"):
-        with_a.generate(plain + _with_adapter(plain, "nope"))
+        with_a.generate(plain + with_adapter(plain, "nope"))
 
 
 def test_update_weights_is_refused_while_adapters_are_loaded(new_engine, make_lora, tokenizer):
     ta, ca = make_lora(1)
     engine = new_engine(a=(ta, ca, 1))
-    plain = _seeded(_requests(tokenizer, PROMPTS[:3]), 0)
+    plain = seeded(make_requests(tokenizer, ADAPTER_PROMPTS[:3]), 0)
     before = engine.generate(plain)
     zeros = {k: torch.zeros_like(v) for k, v in engine.model.get_base_model().state_dict().items() if "lora_" not in k}
     with pytest.raises(ValueError):
@@ -237,7 +231,7 @@ def test_any_valid_adapter_name_loads_and_serves(new_engine, make_lora, tokenize
     ta, ca = make_lora(1)
     engine = new_engine()
     engine.load_adapter(name, ta, ca, 5)
-    plain = _seeded(_requests(tokenizer, PROMPTS[:2]), 0)
+    plain = seeded(make_requests(tokenizer, ADAPTER_PROMPTS[:2]), 0)
     _assert_same_samples(
-        engine.generate(_with_adapter(plain, name)), new_engine(a=(ta, ca, 5)).generate(_with_adapter(plain, "a"))
+        engine.generate(with_adapter(plain, name)), new_engine(a=(ta, ca, 5)).generate(with_adapter(plain, "a"))
     )

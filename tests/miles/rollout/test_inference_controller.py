@@ -17,7 +17,7 @@ from miles.config import AdapterConfig, RolloutConfig, load_config
 from miles.rollout.inference_controller import EngineRestarted, InferenceController
 from tests.helpers import perturbed_weights, sglang_overrides
 from tests.helpers.faults import actor_pid, sglang_server_pid
-from tests.miles.engines.test_torch_engine import _requests, _seeded
+from tests.helpers.samples import make_requests, seeded
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,9 @@ def _concurrently(controller, monkeypatch, calls: dict[str, list]) -> tuple[dict
 
 def test_concurrent_callers_get_their_own_results_in_order(controller, tokenizer, monkeypatch):
     calls = {
-        "x": _seeded(_requests(tokenizer, ["1+2=", "45+67=", "12+"] * 2, max_new_tokens=6), 1),
-        "y": _seeded(_requests(tokenizer, ["9+99=", "3+4="] * 3, max_new_tokens=6), 2),
-        "z": _seeded(_requests(tokenizer, ["70+1=", "5+", "66+33="], max_new_tokens=6), 3),
+        "x": seeded(make_requests(tokenizer, ["1+2=", "45+67=", "12+"] * 2, max_new_tokens=6), 1),
+        "y": seeded(make_requests(tokenizer, ["9+99=", "3+4="] * 3, max_new_tokens=6), 2),
+        "z": seeded(make_requests(tokenizer, ["70+1=", "5+", "66+33="], max_new_tokens=6), 3),
     }
     alone = {k: controller.generate(v) for k, v in calls.items()}
     together, batches = _concurrently(controller, monkeypatch, calls)
@@ -90,8 +90,8 @@ def test_concurrent_callers_get_their_own_results_in_order(controller, tokenizer
 
 def test_two_threads_at_once_without_orchestration(controller, tokenizer):
     calls = [
-        _seeded(_requests(tokenizer, ["1+2=", "45+67="] * 4, max_new_tokens=8), 5),
-        _seeded(_requests(tokenizer, ["9+99="] * 5, max_new_tokens=8), 6),
+        seeded(make_requests(tokenizer, ["1+2=", "45+67="] * 4, max_new_tokens=8), 5),
+        seeded(make_requests(tokenizer, ["9+99="] * 5, max_new_tokens=8), 6),
     ]
     alone = [controller.generate(c) for c in calls]
     barrier = threading.Barrier(len(calls))
@@ -115,7 +115,7 @@ def test_concurrent_callers_of_two_adapters(controller, tokenizer, make_lora, mo
     controller.load_adapter("a", ray.put(ta), ca, 7)
     controller.load_adapter("b", ray.put(tb), cb, 8)
     # Left loaded: base requests are unaffected by loaded adapters (the engine's adapter tests check that).
-    plain = _seeded(_requests(tokenizer, ["1+2=", "45+67=", "12+", "9+99="], max_new_tokens=6), 4)
+    plain = seeded(make_requests(tokenizer, ["1+2=", "45+67=", "12+", "9+99="], max_new_tokens=6), 4)
     calls = {
         "base": plain,
         "a": [dataclasses.replace(r, adapter="a") for r in plain],
@@ -135,7 +135,7 @@ def test_concurrent_callers_of_two_adapters(controller, tokenizer, make_lora, mo
 
 
 def test_a_bad_caller_is_refused_without_failing_concurrent_callers(controller, tokenizer):
-    good = _seeded(_requests(tokenizer, ["1+2=", "45+67="], max_new_tokens=4), 8)
+    good = seeded(make_requests(tokenizer, ["1+2=", "45+67="], max_new_tokens=4), 8)
     bad = [dataclasses.replace(r, adapter="never-loaded") for r in good]
     expected = controller.generate(good)
     outcome: dict[str, object] = {}
@@ -181,7 +181,7 @@ def recovering(request, ray_session, tiny_model_dir, make_lora):
 
 
 def _mixed_requests(tokenizer):
-    plain = _seeded(_requests(tokenizer, ["1+2=", "45+67=", "12+", "9+99="] * 2, max_new_tokens=6), 21)
+    plain = seeded(make_requests(tokenizer, ["1+2=", "45+67=", "12+", "9+99="] * 2, max_new_tokens=6), 21)
     return plain + [dataclasses.replace(r, adapter="a", seed=r.seed + 100) for r in plain]
 
 
@@ -245,7 +245,7 @@ def test_a_failing_sglang_server_is_restarted(ray_session, tiny_model_dir, token
     rollout = load_config(None, ["rollout.num_threads=1", *sglang_overrides()]).rollout
     controller = InferenceController(str(tiny_model_dir), 0, rollout)
     try:
-        requests = _seeded(_requests(tokenizer, ["1+2=", "45+67="], max_new_tokens=6), 5)
+        requests = seeded(make_requests(tokenizer, ["1+2=", "45+67="], max_new_tokens=6), 5)
         expected = controller.generate(requests)
         url = ray.get(controller.engines[0].__ray_call__.remote(lambda self: self.url))
         httpx.post(f"{url}/test_fault", json={"status": 500}, trust_env=False).raise_for_status()
@@ -266,6 +266,6 @@ def test_an_engine_that_cannot_start_reports_why(ray_session, tiny_model_dir, to
             match=r"(?s)generate failed \(failed to start: RuntimeError: sglang server .* exited "
             r"with code 2 while starting; its log ends:.*unrecognized arguments: --no-such-flag",
         ):
-            controller.generate(_requests(tokenizer, ["1+2="]))
+            controller.generate(make_requests(tokenizer, ["1+2="]))
     finally:
         controller.shutdown()

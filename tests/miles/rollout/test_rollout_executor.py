@@ -15,7 +15,7 @@ from miles.rollout.rollout_executor import RolloutExecutor
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
-from tests.miles.rollout.test_schema_store import rollout_table
+from tests.helpers.samples import rollout_table
 
 
 def _executor(tmp_path, global_batch_size, *overrides):

@@ -17,26 +17,7 @@ from miles.rollout.schema import (
 )
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
-
-
-def rollout_table(n: int = 3, rollout_id: int = 5) -> pa.Table:
-    columns = {
-        "rollout_id": [rollout_id] * n,
-        "sample_index": list(range(n)),
-        "group_index": [i // 2 for i in range(n)],
-        "adapter": ["default"] * n,
-        "prompt_ids": [[1] + [3 + i] * (i + 1) for i in range(n)],
-        "response_ids": [[4] * (n - i) + [2] for i in range(n)],
-        "response_length": [n - i + 1 for i in range(n)],
-        "rollout_logprobs": [[-0.5] * (n - i + 1) for i in range(n)],
-        "loss_mask": [[1] * (n - i + 1) for i in range(n)],
-        "raw_reward": [float(i % 2) for i in range(n)],
-        "advantage": [0.25 * i for i in range(n)],
-        "status": [("completed", "truncated")[i % 2] for i in range(n)],
-        "weight_version": [rollout_id] * n,
-        "label": [str(i) for i in range(n)],
-    }
-    return pa.table(columns, schema=ROLLOUT_SCHEMA)
+from tests.helpers.samples import rollout_table
 
 
 def test_metadata_helpers():

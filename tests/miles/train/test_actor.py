@@ -9,18 +9,18 @@ from miles.train.actor import TrainActor
 from miles.train.advantages import grpo_advantages
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs
-from tests.miles.engines.test_torch_engine import _requests, _seeded, _table
+from tests.helpers.samples import make_requests, seeded, training_table
 
 
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    requests = _requests(tokenizer, [f"{a}+{a + 3}=" for a in range(8)] * 2)
-    results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(_seeded(requests, 11))
+    requests = make_requests(tokenizer, [f"{a}+{a + 3}=" for a in range(8)] * 2)
+    results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(seeded(requests, 11))
     torch.manual_seed(0)
     rewards = torch.rand(len(results)).numpy()
     advantages = grpo_advantages(rewards, torch.arange(len(results)).numpy() // 4).tolist()
-    return _table(requests, results, advantages)
+    return training_table(requests, results, advantages)
 
 
 def _actor(small_config, tiny_model_dir, tmp_path, *overrides):
@@ -31,8 +31,10 @@ def test_micro_batches_accumulate_to_the_full_batch_update(small_config, tiny_mo
     whole = _actor(small_config, tiny_model_dir, tmp_path / "a", "train.micro_batch_size=16")
     split = _actor(small_config, tiny_model_dir, tmp_path / "b", "train.micro_batch_size=4")
     m_whole, m_split = whole.train(0, rollout), split.train(0, rollout)
+    # Adam's first step moves each weight by about lr (1e-3) times the sign of its gradient: a wrong accumulation
+    # moves most weights by ~lr, while summation order alone can nudge an element whose gradient is ~0.
     for name, value in whole.weights().items():
-        torch.testing.assert_close(split.weights()[name], value, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(split.weights()[name], value, atol=5e-5, rtol=1e-5)
     assert m_whole["optimizer_steps"] == m_split["optimizer_steps"] == 1
     assert m_whole["loss"] == pytest.approx(m_split["loss"], abs=1e-6)
 

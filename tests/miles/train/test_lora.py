@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,21 +17,21 @@ from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
 from miles.train.advantages import grpo_advantages
 from miles.train.batch import batch_from_table
-from miles.train.lora import LoRATrainActor
+from miles.train.lora import LoRATrainActor, is_adapter_key
 from miles.train.update import batch_logprobs
-from tests.miles.engines.test_torch_engine import _requests, _seeded, _table
+from tests.helpers.samples import make_requests, seeded, training_table
 
 PROMPTS = [f"{a}+{a + 3}=" for a in range(8)] * 2
 
 
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir, tokenizer):
-    requests = _requests(tokenizer, PROMPTS)
-    results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(_seeded(requests, 11))
+    requests = make_requests(tokenizer, PROMPTS)
+    results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(seeded(requests, 11))
     torch.manual_seed(0)
     rewards = torch.rand(len(results)).numpy()
     advantages = grpo_advantages(rewards, torch.arange(len(results)).numpy() // 4).tolist()
-    return _table(requests, results, advantages)
+    return training_table(requests, results, advantages)
 
 
 @pytest.fixture
@@ -116,10 +117,10 @@ def test_checkpoint_is_a_peft_directory_that_reproduces_the_engine_logprobs(trai
 
     engine = TorchEngine(str(tiny_model_dir), weight_version=0, num_threads=1)
     engine.load_adapter("a", actor.adapter_weights("a"), actor.adapter_config("a"), version=1)
-    requests = [dataclasses.replace(r, adapter="a") for r in _requests(tokenizer, PROMPTS, max_new_tokens=6)]
-    results = engine.generate(_seeded(requests, 21))
+    requests = [dataclasses.replace(r, adapter="a") for r in make_requests(tokenizer, PROMPTS, max_new_tokens=6)]
+    results = engine.generate(seeded(requests, 21))
     assert {r.weight_version for r in results} == {1}
-    batch = batch_from_table(_table(requests, results), actor.pad_token_id)
+    batch = batch_from_table(training_table(requests, results), actor.pad_token_id)
     mask = batch.response_mask
     assert mask.sum() == sum(len(r.output_ids) for r in results) > 0
 
@@ -160,3 +161,38 @@ def test_removed_adapter_is_gone(make_actor, rollout):
     _assert_equal_dicts(actor.adapter_weights("b"), b0)
     actor.train("b", 0, rollout)
     assert _changed(actor.adapter_weights("b"), b0)
+
+
+def test_removing_the_active_adapter_warns_not_and_leaves_the_other_to_train(make_actor, rollout):
+    actor, _ = make_actor("a", "b", suffix="-pair")
+    actor.train("a", 0, rollout)  # "a" is now the active adapter
+    assert actor.model.active_adapters == ["a"]
+    b0 = actor.adapter_weights("b")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actor.remove_adapter("a")
+    assert [str(w.message) for w in caught] == []
+
+    assert list(actor.adapters) == ["b"] and list(actor.model.peft_config) == ["b"]
+    assert not [n for n, _ in actor.model.named_parameters() if is_adapter_key(n, "a")]
+    _assert_equal_dicts(actor.adapter_weights("b"), b0)
+
+    metrics = actor.train("b", 0, rollout)
+    assert metrics["optimizer_steps"] == 1
+    alone, _ = make_actor("b", suffix="-alone")  # the same seeded start, never next to "a"
+    _assert_equal_dicts(alone.adapter_weights("b"), b0)
+    alone_metrics = alone.train("b", 0, rollout)
+    assert {k: v for k, v in alone_metrics.items() if k != "train_seconds"} == {
+        k: v for k, v in metrics.items() if k != "train_seconds"
+    }
+    _assert_equal_dicts(actor.adapter_weights("b"), alone.adapter_weights("b"))
+
+
+def test_removing_the_last_adapter_warns_not(make_actor, rollout):
+    actor, _ = make_actor("a", suffix="-last")
+    actor.train("a", 0, rollout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actor.remove_adapter("a")
+    assert [str(w.message) for w in caught] == [] and actor.adapters == {}

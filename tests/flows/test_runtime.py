@@ -1,0 +1,46 @@
+"""The CLI's ephemeral API server runs in a session of its own, so that a Ctrl-C to the terminal's process group
+does not stop it before the flow has recorded how it ended, and it dies with the process that started it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+SCRIPT = """
+import os, sys
+from flows.runtime import configure_prefect, start_ephemeral_api
+configure_prefect()
+start_ephemeral_api()
+from prefect.server.api.server import SubprocessASGIServer
+server = SubprocessASGIServer().server_process
+print(server.pid, os.getpgid(server.pid), os.getpgid(0), flush=True)
+sys.stdin.read()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_ephemeral_api_server_leaves_the_process_group_and_dies_with_its_parent(tmp_path):
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        server_pid, server_group, parent_group = map(int, parent.stdout.readline().split())
+        assert server_group != parent_group  # a signal to the parent's group does not reach the server
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server_pid)
+    finally:
+        parent.kill()

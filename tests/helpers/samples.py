@@ -1,0 +1,62 @@
+"""Samples for engine, trainer and store tests: requests, seeds, and rollout tables built from them or by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow as pa
+
+from miles.engines import GenerateRequest, SamplingParams
+from miles.rollout.schema import ROLLOUT_SCHEMA, samples_table
+
+
+def make_requests(tokenizer, prompts, **sampling):
+    params = SamplingParams(stop_token_ids=(tokenizer.eos_token_id,), **{"max_new_tokens": 4, **sampling})
+    return [GenerateRequest(prompt_ids=tokenizer(p)["input_ids"], sampling=params) for p in prompts]
+
+
+def seeded(requests, seed):
+    """The requests with seeds seed * 10_000 + i, as a rollout gives them."""
+    return [dataclasses.replace(r, seed=seed * 10_000 + i) for i, r in enumerate(requests)]
+
+
+def training_table(requests, results, advantages=None) -> pa.Table:
+    n = len(results)
+    return samples_table(
+        requests,
+        results,
+        rollout_id=0,
+        first_index=0,
+        group_index=range(n),
+        raw_reward=[0.0] * n,
+        status=["completed"] * n,
+        label=[""] * n,
+        advantage=advantages or [0.0] * n,
+    )
+
+
+def rollout_table(n: int = 3, rollout_id: int = 5) -> pa.Table:
+    columns = {
+        "rollout_id": [rollout_id] * n,
+        "sample_index": list(range(n)),
+        "group_index": [i // 2 for i in range(n)],
+        "adapter": ["default"] * n,
+        "prompt_ids": [[1] + [3 + i] * (i + 1) for i in range(n)],
+        "response_ids": [[4] * (n - i) + [2] for i in range(n)],
+        "response_length": [n - i + 1 for i in range(n)],
+        "rollout_logprobs": [[-0.5] * (n - i + 1) for i in range(n)],
+        "loss_mask": [[1] * (n - i + 1) for i in range(n)],
+        "raw_reward": [float(i % 2) for i in range(n)],
+        "advantage": [0.25 * i for i in range(n)],
+        "status": [("completed", "truncated")[i % 2] for i in range(n)],
+        "weight_version": [rollout_id] * n,
+        "label": [str(i) for i in range(n)],
+    }
+    return pa.table(columns, schema=ROLLOUT_SCHEMA)
+
+
+ADAPTER_PROMPTS = ["1+2=", "45+67=", "9+99=", "3+", "10+0=", "88+8="]
+
+
+def with_adapter(requests, adapter):
+    return [dataclasses.replace(r, adapter=adapter) for r in requests]
