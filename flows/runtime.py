@@ -26,7 +26,7 @@ def start_ephemeral_api() -> None:
     Prefect would start it on first use in this process's group, where a Ctrl-C or a group kill (`timeout`, a job
     runner) stops it at once while this process still reports the crash through it: "Error logging to API", minutes
     of retries, and a flow run left Running in the UI. Prefect stops the server at exit, after the last logs; on
-    Linux the kernel also stops it when this process is killed outright.
+    Linux the kernel kills it at once when this process is killed outright, as a kill of its group would.
     """
     import subprocess
 
@@ -43,7 +43,7 @@ def start_ephemeral_api() -> None:
         libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may only call into it
 
         def on_parent_exit() -> None:
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG; this (the main) thread lives as long as the process
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG; this (the main) thread lives as long as the process
 
     class NewSession:
         """`subprocess` as Prefect's server launch sees it: Popen starts a session of its own."""
