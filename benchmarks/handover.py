@@ -41,7 +41,7 @@ import torch
 
 from miles.cluster import actor_options
 from miles.rollout.schema import ROLLOUT_SCHEMA, STATUSES, with_rollout_metadata
-from miles.train.advantages import grpo_advantages
+from miles.train.algorithms.advantages import grpo
 
 RESPONSE_TOKENS = 256
 PROMPT_TOKENS = (24, 40)  # inclusive range, 32 on average
@@ -96,7 +96,7 @@ def make_rollout(samples: int, seed: int) -> dict[str, np.ndarray]:
         "logprobs": (-rng.exponential(0.5, tokens)).astype(np.float32),
         "loss_mask": (rng.random(tokens) < 0.95).astype(np.int8),
         "raw_reward": raw_reward,
-        "advantage": grpo_advantages(raw_reward, group_of),
+        "advantage": grpo(torch.from_numpy(raw_reward.astype(np.float64)), torch.from_numpy(group_of)).numpy(),
         "truncated": rng.random(samples) < 0.1,
     }
 

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from miles.run_dir import RunDir
 from miles.seeds import adapter_run_seed
+from miles.train.algorithms import check_algorithm_name
 
 
 class _Section(BaseModel):
@@ -102,6 +103,9 @@ class RolloutConfig(_Section):
     engine_timeout_s: float = Field(
         600.0, gt=0, description="an engine that has not answered a batch or a push within this time is restarted"
     )
+    max_generate_rounds: int = Field(
+        1, gt=0, description="with algo.dynamic_sampling: rounds of rollout_batch_size prompts a rollout may draw"
+    )
     max_weight_staleness: int | None = Field(
         None, ge=0, description="get drops groups generated more than this many weight versions behind the trainer"
     )
@@ -109,19 +113,79 @@ class RolloutConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    advantage_estimator: Literal["grpo"] = "grpo"
-    grpo_std_normalization: bool = True
-    eps_clip: float = Field(0.2, gt=0)
-    eps_clip_high: float | None = Field(None, gt=0, description="upper clip; defaults to eps_clip")
-    use_kl_loss: bool = False
-    kl_loss_coef: float = Field(0.0, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
-    use_rollout_logprobs: bool = Field(False, description="engine log-probs as the old policy instead of a recompute")
-    use_tis: bool = Field(
-        True, description="truncated importance sampling: weight tokens by exp(trainer_old - rollout) logp"
+    """The RL algorithm, by name (README, Algorithms: each option, its formula and its paper)."""
+
+    advantage_estimator: str = Field(
+        "grpo",
+        description="grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, or 'pkg.mod:fn'",
     )
-    tis_clip: float = Field(2.0, gt=0, description="upper clamp of the TIS weight")
-    tis_clip_low: float = Field(0.0, ge=0, description="lower clamp of the TIS weight")
+    policy_loss: str = Field("ppo_clip", description="ppo_clip, gspo, cispo, or 'pkg.mod:fn'")
+    loss_aggregation: str | None = Field(
+        None,
+        description="token_mean, seq_mean_token_sum, seq_mean_token_mean, seq_mean_token_sum_norm, or 'pkg.mod:fn'; "
+        "unset: the method's own (dr_grpo: seq_mean_token_sum_norm, gspo: seq_mean_token_mean, else token_mean)",
+    )
+    eps_clip: float = Field(0.2, gt=0, description="lower clip of the ratio: 1 - eps_clip")
+    eps_clip_high: float | None = Field(None, gt=0, description="upper clip: 1 + eps_clip_high; unset: eps_clip")
+    clip_ratio_c: float | None = Field(
+        None, gt=1, description="ppo_clip's dual clip: a negative-advantage token's loss is at most -c A; unset: off"
+    )
+    kl_estimator: str = Field("k3", description="k1, k2 (mse), k3 (low_var_kl), abs, or 'pkg.mod:fn'")
+    use_kl_loss: bool = Field(False, description="KL to the starting policy as a loss term, weighted kl_loss_coef")
+    kl_loss_coef: float = Field(0.0, ge=0)
+    kl_in_reward: bool = Field(
+        False, description="KL to the starting policy as a per-token reward penalty, weighted kl_reward_coef"
+    )
+    kl_reward_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    use_rollout_logprobs: bool = Field(
+        False, description="engine log-probs as the old policy instead of a recompute (then no TIS weight applies)"
+    )
+    use_tis: bool = Field(
+        True, description="weight each token's loss by the bounded ratio trainer_old / rollout (off-policy correction)"
+    )
+    tis_level: Literal["token", "sequence"] = Field("token", description="one ratio per token, or per sample")
+    tis_mode: Literal["clamp", "mask"] = Field(
+        "clamp", description="a ratio outside [tis_clip_low, tis_clip] is clamped to the bound, or masked to 0"
+    )
+    tis_clip: float = Field(2.0, gt=0, description="upper bound of the TIS weight")
+    tis_clip_low: float = Field(0.0, ge=0, description="lower bound of the TIS weight")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: leave out groups whose rewards are all equal; generate more rounds (up to "
+        "rollout.max_generate_rounds) until rollout_batch_size groups differ",
+    )
+    overlong_buffer_len: int | None = Field(
+        None, gt=0, description="DAPO's soft overlong punishment over the last N tokens of max_new_tokens; unset: off"
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="the reward taken off a response of max_new_tokens")
+
+    @field_validator("advantage_estimator", "policy_loss", "loss_aggregation", "kl_estimator")
+    @classmethod
+    def _known_name(cls, name: str | None, info: ValidationInfo) -> str | None:
+        return name if name is None else check_algorithm_name(info.field_name, name)
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation in effect: the configured one, else the method's own."""
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        if self.policy_loss == "gspo":
+            return "seq_mean_token_mean"
+        if self.advantage_estimator == "dr_grpo":
+            return "seq_mean_token_sum_norm"
+        return "token_mean"
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the trainer holds the starting policy as a frozen reference."""
+        return self.use_kl_loss or self.kl_in_reward
+
+    @property
+    def corrects_off_policy(self) -> bool:
+        """Whether the loss is weighted by trainer_old / rollout: with rollout log-probs as the old policy the PPO
+        ratio is pi_theta / pi_rollout already, and a weight would correct twice."""
+        return self.use_tis and not self.use_rollout_logprobs
 
 
 class TrainConfig(_Section):
@@ -215,6 +279,17 @@ class RunConfig(_Section):
         if self.algo.tis_clip_low > self.algo.tis_clip:
             raise ValueError(
                 f"algo.tis_clip_low ({self.algo.tis_clip_low}) must not exceed algo.tis_clip ({self.algo.tis_clip})"
+            )
+        if self.algo.overlong_buffer_len is not None and self.algo.overlong_buffer_len > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algo.overlong_buffer_len ({self.algo.overlong_buffer_len}) must not exceed "
+                f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
+            )
+        if self.rollout.max_generate_rounds > 1 and not self.algo.dynamic_sampling:
+            raise ValueError("rollout.max_generate_rounds > 1 draws more prompts only with algo.dynamic_sampling=true")
+        if self.algo.dynamic_sampling and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                "algo.dynamic_sampling needs rollout.n_samples_per_prompt >= 2: a group of one has no reward spread"
             )
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise ValueError(

@@ -30,15 +30,17 @@ from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
+from miles.train.algorithms import Algorithm
 
 log = logging.getLogger(__name__)
 
 
 def check_inputs(config: RunConfig) -> PolicyInputs:
-    """Load the dataset and resolve the reward: everything that can reject the input, before any work."""
+    """Load the dataset, resolve the reward and the algorithm: everything that can reject the input, before any work."""
     if config.model.path is None and config.data.task is None:
         raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
     try:
+        Algorithm.from_config(config.algo)
         return PolicyInputs(config, load_rows(config.data), resolve_reward(config.data.reward))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -27,7 +27,7 @@ from miles.models.tiny import build_tiny_model, build_tokenizer
 from miles.rewards import resolve_reward
 from miles.rollout.schema import samples_table
 from miles.train.actor import TrainActor
-from miles.train.advantages import grpo_advantages
+from miles.train.algorithms.advantages import grpo
 from miles.train.batch import batch_from_table
 from miles.train.lora import LoRATrainActor
 from miles.train.update import batch_logprobs
@@ -70,7 +70,7 @@ def _table(requests, results, rewards, group: int) -> pa.Table:
         raw_reward=rewards,
         status=["completed"] * n,
         label=[""] * n,
-        advantage=grpo_advantages(torch.tensor(rewards).numpy(), torch.arange(n).numpy() // group).tolist(),
+        advantage=grpo(torch.tensor(rewards, dtype=torch.float64), torch.arange(n) // group).tolist(),
     )
 
 

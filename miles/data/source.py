@@ -23,11 +23,11 @@ class DataSource:
             }
         return self._orders[epoch]
 
-    def peek(self, count: int) -> list[dict[str, str]]:
-        """The next `count` rows, without moving the cursor (it moves once the rollout is stored)."""
+    def peek(self, count: int, skip: int = 0) -> list[dict[str, str]]:
+        """`count` rows after the next `skip`, without moving the cursor (it moves once the rollout is stored)."""
         n = len(self.rows)
         out = []
-        for pos in range(self.position, self.position + count):
+        for pos in range(self.position + skip, self.position + skip + count):
             epoch, offset = divmod(pos, n)
             out.append(self.rows[int(self._order(epoch)[offset])])
         return out

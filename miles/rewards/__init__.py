@@ -6,8 +6,9 @@ response without special tokens, `finished` is False when the response hit max_n
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
+
+from miles.registry import check_name, import_callable
 
 RewardFn = Callable[[str, str, bool], float]
 
@@ -30,15 +31,8 @@ REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "digit_match": digit
 
 
 def resolve_reward(name: str) -> RewardFn:
-    if name in REWARDS:
-        return REWARDS[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        raise ValueError(f"data.reward: unknown reward {name!r}; use one of {sorted(REWARDS)} or 'pkg.mod:fn'")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"data.reward: cannot import {name!r}: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"data.reward: {name!r} is not callable")
-    return fn
+        check_name(name, list(REWARDS))
+    except ValueError as exc:
+        raise ValueError(f"data.reward: {exc}") from None
+    return REWARDS[name] if name in REWARDS else import_callable("data.reward", name)

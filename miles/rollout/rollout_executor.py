@@ -9,6 +9,7 @@ import numbers
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from miles.config import RunConfig
 from miles.data import DataSource
@@ -18,7 +19,8 @@ from miles.rollout.inference_controller import InferenceController
 from miles.rollout.schema import ROLLOUT_SCHEMA, rollout_metadata, samples_table, with_rollout_metadata
 from miles.rollout.store import RolloutStore
 from miles.seeds import rollout_seed
-from miles.train.advantages import grpo_advantages
+from miles.train.algorithms import resolve_algorithm
+from miles.train.algorithms.dapo import equal_score_groups, overlong_penalty
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +49,56 @@ class RolloutExecutor:
             max_new_tokens=config.rollout.max_new_tokens,
             stop_token_ids=(tokenizer.eos_token_id,),
         )
+        self.advantage_estimator = resolve_algorithm("advantage_estimator", config.algo.advantage_estimator)
 
     def generate(self, rollout_id: int) -> dict[str, float]:
-        """Produce rollout `rollout_id` unless its file exists (a retry or a resumed run reuses it)."""
+        """Produce rollout `rollout_id` unless its file exists (a retry or a resumed run reuses it).
+
+        With algo.dynamic_sampling, further rounds of rollout_batch_size prompts are drawn (up to
+        rollout.max_generate_rounds in all) until rollout_batch_size groups have differing scores. All rounds go
+        into the one rollout file, written once: a retry draws the same prompts and seeds again."""
         if self.store.exists(rollout_id):
             table = self.store.read(rollout_id)
             self.data_source.position = int(rollout_metadata(table)["data_position_end"])
             return summarize(table)
         cfg = self.config.rollout
-        rows = self.data_source.peek(cfg.rollout_batch_size)
+        rounds = cfg.max_generate_rounds if self.config.algo.dynamic_sampling else 1
+        tables = [self._generate_round(rollout_id, 0)]
+        while len(tables) < rounds:
+            differing = self._differing_groups(pa.concat_tables(tables))
+            if differing >= cfg.rollout_batch_size:
+                break
+            log.info(
+                "rollout %d: %d of %d groups have differing rewards; drawing round %d of at most %d",
+                rollout_id,
+                differing,
+                cfg.rollout_batch_size,
+                len(tables) + 1,
+                rounds,
+            )
+            tables.append(self._generate_round(rollout_id, len(tables)))
+        end = self.data_source.position + len(tables) * cfg.rollout_batch_size
+        table = with_rollout_metadata(
+            pa.concat_tables(tables),
+            rollout_id=rollout_id,
+            algorithm=self.config.algo.advantage_estimator,
+            data_position_end=end,
+            generate_rounds=len(tables),
+        )
+        self.store.write(rollout_id, table)
+        self.data_source.position = end
+        return summarize(table)
+
+    def _generate_round(self, rollout_id: int, round_: int) -> pa.Table:
+        """One round's rollout_batch_size prompts x n_samples_per_prompt samples, scored. Round r of rollout i
+        takes the prompts after those of rounds 0..r-1, and sample and group numbers of slot i * max_rounds + r,
+        so they stay unique within the run."""
+        cfg = self.config.rollout
+        rows = self.data_source.peek(cfg.rollout_batch_size, skip=round_ * cfg.rollout_batch_size)
         prompt_ids = self.tokenizer([r["prompt"] for r in rows])["input_ids"]
         n = cfg.n_samples_per_prompt
-        first_index = rollout_id * self.config.samples_per_rollout
-        seed = rollout_seed(self.config.seed, rollout_id)
+        slot = rollout_id * cfg.max_generate_rounds + round_
+        seed = rollout_seed(self.config.seed, rollout_id) + round_ * self.config.samples_per_rollout
         requests = [
             GenerateRequest(prompt_ids=ids, sampling=self.sampling, adapter=self.adapter, seed=seed + k * n + j)
             for k, ids in enumerate(prompt_ids)
@@ -89,24 +128,32 @@ class RolloutExecutor:
         statuses = [
             "failed" if r is None else "completed" if f else "truncated" for r, f in zip(rewards, finished, strict=True)
         ]
-        groups = np.repeat(np.arange(rollout_id * cfg.rollout_batch_size, (rollout_id + 1) * cfg.rollout_batch_size), n)
-        table = samples_table(
+        return samples_table(
             requests,
             results,
             rollout_id=rollout_id,
-            first_index=first_index,
-            group_index=groups,
+            first_index=slot * self.config.samples_per_rollout,
+            group_index=np.repeat(np.arange(slot * cfg.rollout_batch_size, (slot + 1) * cfg.rollout_batch_size), n),
             raw_reward=rewards,
             status=statuses,
             label=labels,
         )
-        end = self.data_source.position + cfg.rollout_batch_size
-        table = with_rollout_metadata(
-            table, rollout_id=rollout_id, algorithm=self.config.algo.advantage_estimator, data_position_end=end
-        )
-        self.store.write(rollout_id, table)
-        self.data_source.position = end
-        return summarize(table)
+
+    def _differing_groups(self, table: pa.Table) -> int:
+        scores, groups = self._scores(_without_failed(table)[0])
+        return len(np.unique(groups[~equal_score_groups(scores, torch.from_numpy(groups)).numpy()]))
+
+    def _scores(self, table: pa.Table) -> tuple[torch.Tensor, np.ndarray]:
+        """Each sample's score (its reward, less the overlong penalty when algo.overlong_buffer_len is set, in
+        float64) and its group; the table holds no failed sample."""
+        scores = torch.from_numpy(table.column("raw_reward").to_numpy().astype(np.float64))
+        algo = self.config.algo
+        if algo.overlong_buffer_len is not None:
+            lengths = torch.from_numpy(table.column("response_length").to_numpy())
+            scores = scores + overlong_penalty(
+                lengths, self.config.rollout.max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty
+            )
+        return scores, table.column("group_index").to_numpy().copy()  # writable: torch shares it
 
     def _score(
         self, texts: list[str], labels: list[str], finished: list[bool]
@@ -130,14 +177,12 @@ class RolloutExecutor:
         return rewards, failures
 
     def get(self, rollout_id: int, trainer_version: int) -> tuple[pa.Table, dict[str, float]]:
-        """The stored rollout, ready to train: stale groups dropped, group-normalised advantages, trimmed to a
-        multiple of global_batch_size. Failed samples are left out first, so advantages are normalised over the
-        rest of each group. Also returns the handover's counts (staleness, dropped groups, failed samples)."""
-        table = self.store.read(rollout_id)
-        failed = pc.equal(table.column("status").cast(pa.string()), "failed")
-        failed_samples = pc.sum(failed).as_py() or 0
-        if failed_samples:  # a filter copies every column: only when there is something to leave out
-            table = table.filter(pc.invert(failed))
+        """The stored rollout, ready to train: stale groups dropped, advantages from the run's estimator, trimmed to
+        a multiple of global_batch_size. Failed samples are left out first, so a group's baseline is over the rest
+        of it. With algo.dynamic_sampling, groups whose scores are all equal are left out too (and rollout_batch_size
+        groups kept at most), unless fewer than global_batch_size samples would remain: then just enough of them stay.
+        Also returns the handover's counts (staleness, dropped and filtered groups, failed samples)."""
+        table, failed_samples = _without_failed(self.store.read(rollout_id))
         groups = table.column("group_index").to_numpy()
         staleness = trainer_version - table.column("weight_version").to_numpy()
         bound = self.config.rollout.max_weight_staleness
@@ -147,7 +192,7 @@ class RolloutExecutor:
             dropped_groups = len(stale_groups)
             if dropped_groups:
                 keep_rows = ~np.isin(groups, stale_groups)
-                table, groups, staleness = table.filter(pa.array(keep_rows)), groups[keep_rows], staleness[keep_rows]
+                table, staleness = table.filter(pa.array(keep_rows)), staleness[keep_rows]
         gbs = self.config.train.global_batch_size
         if table.num_rows < gbs:
             removals = []
@@ -160,18 +205,58 @@ class RolloutExecutor:
                 f"rollout {rollout_id} has {table.num_rows} samples {why}(trainer at weight version {trainer_version}), "
                 f"fewer than train.global_batch_size ({gbs})"
             )
-        advantages = grpo_advantages(
-            table.column("raw_reward").to_numpy(), groups, std_normalization=self.config.algo.grpo_std_normalization
-        )
+        scores, groups = self._scores(table)
+        equal = equal_score_groups(scores, torch.from_numpy(groups)).numpy()
+        filtered_groups = 0
+        if self.config.algo.dynamic_sampling:
+            keep_groups = self._dynamic_sampling_groups(groups, equal)
+            keep_rows = np.isin(groups, keep_groups)
+            filtered_groups = len(np.unique(groups[equal & ~keep_rows]))
+            table, staleness = table.filter(pa.array(keep_rows)), staleness[keep_rows]
+            scores, groups, equal = scores[torch.from_numpy(keep_rows)], groups[keep_rows], equal[keep_rows]
+        advantages = self.advantage_estimator(scores, torch.from_numpy(groups))
+        if advantages.shape != scores.shape:
+            raise ValueError(
+                f"algo.advantage_estimator {self.config.algo.advantage_estimator!r} returned shape "
+                f"{tuple(advantages.shape)} for {len(scores)} samples"
+            )
         table = table.set_column(
-            table.schema.get_field_index("advantage"), ROLLOUT_SCHEMA.field("advantage"), pa.array(advantages)
+            table.schema.get_field_index("advantage"),
+            ROLLOUT_SCHEMA.field("advantage"),
+            pa.array(advantages.numpy().astype(np.float32)),
         )
+        trained = table.num_rows - table.num_rows % gbs
         stats = {
             "staleness_mean": float(staleness.mean()),
             "dropped_groups": dropped_groups,
             "failed_samples": failed_samples,
+            "filtered_groups": filtered_groups,
+            # groups trained on whose scores are all equal: no signal under a group baseline
+            "zero_advantage_groups": len(np.unique(groups[:trained][equal[:trained]])),
         }
-        return table.slice(0, table.num_rows - table.num_rows % gbs), stats
+        return table.slice(0, trained), stats
+
+    def _dynamic_sampling_groups(self, groups: np.ndarray, equal: np.ndarray) -> np.ndarray:
+        """The groups dynamic sampling keeps: the first rollout_batch_size with differing scores, topped up with
+        equal-score groups (in order) only as far as one global batch needs."""
+        ids, first_row, sizes = np.unique(groups, return_index=True, return_counts=True)
+        differing = ~equal[first_row]
+        kept = ids[differing][: self.config.rollout.rollout_batch_size]
+        missing = self.config.train.global_batch_size - sizes[differing][: len(kept)].sum()
+        if missing > 0:
+            filler_sizes = sizes[~differing]
+            needed = int(np.searchsorted(np.cumsum(filler_sizes), missing)) + 1
+            kept = np.concatenate([kept, ids[~differing][:needed]])
+        return kept
+
+
+def _without_failed(table: pa.Table) -> tuple[pa.Table, int]:
+    """The table without its failed samples, and how many there were."""
+    failed = pc.equal(table.column("status").cast(pa.string()), "failed")
+    count = pc.sum(failed).as_py() or 0
+    if count:  # a filter copies every column: only when there is something to leave out
+        table = table.filter(pc.invert(failed))
+    return table, count
 
 
 def _clip(text: str, limit: int = 80) -> str:
@@ -188,4 +273,5 @@ def summarize(table: pa.Table) -> dict[str, float]:
         "samples": table.num_rows,
         "failed_samples": pc.sum(pc.equal(status, "failed")).as_py() or 0,
         "weight_version": int(pc.min(table.column("weight_version")).as_py()),
+        "generate_rounds": int(rollout_metadata(table).get("generate_rounds", 1)),
     }

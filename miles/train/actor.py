@@ -1,4 +1,4 @@
-"""TrainActor: the policy, its optimizer and the GRPO/PPO update, run inside a Ray actor."""
+"""TrainActor: the policy, its optimizer and the RL update, run inside a Ray actor."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class TrainActor:
         if checkpoint:
             optimizer_from_files(self.optimizer, Path(checkpoint))
         self.ref_model = None
-        if config.algo.use_kl_loss:
+        if config.algo.needs_reference:
             # The reference is the run's starting policy, not the checkpoint it resumed from.
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
             self.ref_model.requires_grad_(False)

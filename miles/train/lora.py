@@ -110,7 +110,7 @@ class LoRATrainActor:
         self.model.set_adapter(name)
         self.model.train()
         reference = None
-        if adapter.config.algo.use_kl_loss:
+        if adapter.config.algo.needs_reference:
             reference = partial(self._base_logprobs, config=adapter.config)
         metrics = train_on_rollout(
             self.model,

@@ -21,3 +21,9 @@ def always_raises(response: str, label: str, finished: bool) -> float:
 
 def interrupted(response: str, label: str, finished: bool) -> float:
     raise KeyboardInterrupt
+
+
+def constant_unless_differ(response: str, label: str, finished: bool) -> float:
+    """1 on every sample of a prompt labelled "same" (a group without reward spread); the response read as a number
+    on any other."""
+    return 1.0 if label == "same" else float(response)

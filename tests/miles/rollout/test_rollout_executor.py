@@ -56,6 +56,8 @@ def test_get_normalises_per_group_and_trims_to_whole_global_batches(tmp_path):
         "staleness_mean": 0.0,
         "dropped_groups": 0,
         "failed_samples": 0,
+        "filtered_groups": 0,
+        "zero_advantage_groups": 0,
     }  # rollout_table stamps weight_version = rollout_id
 
 
@@ -116,7 +118,13 @@ def test_failed_samples_are_left_out_before_staleness_and_advantages(tmp_path):
 
     assert handed.column("sample_index").to_pylist() == [0, 1, 3, 4, 5, 6, 8, 9, 10, 11]
     assert set(handed.column("status").cast(pa.string()).to_pylist()) <= {"completed", "truncated"}
-    assert stats == {"staleness_mean": 0.0, "dropped_groups": 0, "failed_samples": 2}
+    assert stats == {
+        "staleness_mean": 0.0,
+        "dropped_groups": 0,
+        "failed_samples": 2,
+        "filtered_groups": 0,
+        "zero_advantage_groups": 1,  # group 2: rewards (0, 0)
+    }
     pair = 0.5 / (np.sqrt(0.5) + 1e-6)  # rewards (0, 1): mean 0.5, unbiased std sqrt(0.5)
     third = (1 / 3) / (np.sqrt(1 / 3) + 1e-6)  # rewards (1, 0, 1): mean 2/3, unbiased std sqrt(1/3)
     expected = [-pair, pair, third, -2 * third, third, 0.0, 0.0, third, -2 * third, third]  # group 2 is (0, 0)
@@ -220,3 +228,141 @@ def test_an_interrupt_in_the_reward_function_stops_generate(tmp_path, controller
     with pytest.raises(KeyboardInterrupt):
         executor.generate(0)
     assert not store.exists(0)
+
+
+def _with_rewards(table, rewards):
+    return _with_column(table, "raw_reward", rewards)
+
+
+def test_dynamic_sampling_leaves_out_groups_whose_rewards_are_all_equal(tmp_path):
+    executor, store = _executor(tmp_path, 4, "algo.dynamic_sampling=true")  # rollout_batch_size 4
+    # groups of two: 0 (1, 1) equal, 1 (0, 1), 2 (0, 0) equal, 3 (1, 0), 4 (0.5, 1), 5 (1, 0), 6 (0, 1)
+    store.write(0, _with_rewards(rollout_table(n=14), [1, 1, 0, 1, 0, 0, 1, 0, 0.5, 1, 1, 0, 0, 1]))
+
+    handed, stats = executor.get(0, trainer_version=0)
+
+    # The first four groups with a reward spread are kept (group 6 is one too many); the equal ones go.
+    assert handed.column("group_index").to_pylist() == [1, 1, 3, 3, 4, 4, 5, 5]
+    assert stats["filtered_groups"] == 2 and stats["zero_advantage_groups"] == 0
+
+
+def test_dynamic_sampling_keeps_just_enough_equal_groups_for_one_global_batch(tmp_path):
+    executor, store = _executor(tmp_path, 5, "algo.dynamic_sampling=true")
+    # groups of two: 0 (1, 1), 1 (0, 0), 2 (0, 1), 3 (1, 1), 4 (0, 0): one group with spread, 2 samples < 5
+    store.write(0, _with_rewards(rollout_table(n=10), [1, 1, 0, 0, 0, 1, 1, 1, 0, 0]))
+
+    handed, stats = executor.get(0, trainer_version=0)
+
+    # Groups 0 and 1 fill it up to 6 samples, trimmed to one batch of 5.
+    assert handed.column("group_index").to_pylist() == [0, 0, 1, 1, 2]
+    assert stats["filtered_groups"] == 2 and stats["zero_advantage_groups"] == 2
+
+
+def test_advantages_come_from_the_configured_estimator(tmp_path):
+    executor, store = _executor(tmp_path, 2, "algo.advantage_estimator=rloo")
+    # groups of three: (1, 0, 0) and (0.5, 0.5, 2)
+    store.write(
+        0, _with_column(_with_rewards(rollout_table(n=6), [1, 0, 0, 0.5, 0.5, 2]), "group_index", [0] * 3 + [1] * 3)
+    )
+    handed, _ = executor.get(0, trainer_version=0)
+    # RLOO: r_i - mean of the other two: 1 - 0, 0 - 0.5, 0 - 0.5; 0.5 - 1.25, 0.5 - 1.25, 2 - 0.5
+    np.testing.assert_allclose(handed.column("advantage").to_numpy(), [1, -0.5, -0.5, -0.75, -0.75, 1.5], rtol=1e-6)
+
+
+def test_overlong_responses_lose_reward_before_the_advantages(tmp_path):
+    executor, store = _executor(
+        tmp_path,
+        2,
+        "algo.advantage_estimator=dr_grpo",
+        "rollout.max_new_tokens=10",
+        "algo.overlong_buffer_len=4",
+        "algo.overlong_penalty=0.5",
+    )
+    table = _with_column(rollout_table(n=4), "response_length", [6, 7, 9, 10])
+    store.write(0, _with_rewards(_with_column(table, "group_index", [0, 0, 1, 1]), [1, 1, 1, 1]))
+    handed, stats = executor.get(0, trainer_version=0)
+    # Penalties: length 6 -> 0, 7 -> -0.5 * 1/4, 9 -> -0.5 * 3/4, 10 -> -0.5. Scores 1, 0.875 | 0.625, 0.5.
+    np.testing.assert_allclose(handed.column("advantage").to_numpy(), [0.0625, -0.0625, 0.0625, -0.0625], rtol=1e-6)
+    assert stats["zero_advantage_groups"] == 0  # the raw rewards were all equal; the scores are not
+
+
+class _SeedEcho:
+    """A controller whose sample is the token `seed % 7 + 3`; it fails the call numbered `fail_on`, once."""
+
+    def __init__(self, fail_on: int | None = None):
+        self.calls = 0
+        self.fail_on = fail_on
+
+    def generate(self, requests):
+        from miles.engines.base import GenerateResult
+
+        self.calls += 1
+        if self.calls == self.fail_on:
+            self.fail_on = None
+            raise RuntimeError("engine died")
+        return [GenerateResult([q.seed % 7 + 3, 2], [-0.5, -0.1], "stop", 0) for q in requests]
+
+
+class _DigitTokenizer:
+    eos_token_id = 2
+
+    def __call__(self, prompts):
+        return {"input_ids": [[1, 5] for _ in prompts]}
+
+    def batch_decode(self, ids, skip_special_tokens):
+        return ["".join(str(t) for t in x if t != self.eos_token_id) for x in ids]
+
+
+DYNAMIC_LABELS = ["same", "same", "differ", "same", "differ", "differ", "same", "same"]
+
+
+def _dynamic_executor(tmp_path, controller):
+    config = load_config(
+        None,
+        [
+            "rollout.rollout_batch_size=2",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_generate_rounds=3",
+            "algo.dynamic_sampling=true",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+            "data.reward=tests.miles.rollout.rewards_for_tests:constant_unless_differ",
+        ],
+        run_dir=str(tmp_path),
+    )
+    rows = [{"prompt": str(k), "label": label} for k, label in enumerate(DYNAMIC_LABELS)]
+    store = RolloutStore(RunDir(tmp_path).rollouts)
+    data = DataSource(rows, seed=0, shuffle=False)
+    return RolloutExecutor(
+        config, controller, _DigitTokenizer(), data, store, resolve_reward(config.data.reward)
+    ), store
+
+
+def test_dynamic_sampling_draws_rounds_until_enough_groups_differ(tmp_path):
+    executor, store = _dynamic_executor(tmp_path, _SeedEcho())
+    summary = executor.generate(1)
+    # Round 0 (prompts 0, 1) has no group with spread, round 1 (2, 3) one, round 2 (4, 5) two more: it stops there.
+    table = store.read(1)
+    assert summary["generate_rounds"] == 3 and summary["samples"] == 12
+    assert table.column("label").to_pylist() == [label for label in DYNAMIC_LABELS[:6] for _ in range(2)]
+    # Sample and group numbers of slots 3..5 (rollout 1 x 3 rounds + round): unique within the run.
+    assert table.column("sample_index").to_pylist() == list(range(12, 24))
+    assert table.column("group_index").to_pylist() == [g for g in range(6, 12) for _ in range(2)]
+    assert executor.data_source.position == 6
+
+    handed, stats = executor.get(1, trainer_version=1)
+    assert handed.column("label").to_pylist() == ["differ"] * 4  # two groups with spread (rollout_batch_size)
+    assert stats["filtered_groups"] == 3 and stats["zero_advantage_groups"] == 0
+
+
+def test_an_interrupted_round_is_drawn_again_on_retry(tmp_path):
+    whole, whole_store = _dynamic_executor(tmp_path / "whole", _SeedEcho())
+    whole.generate(0)
+    retried, retried_store = _dynamic_executor(tmp_path / "retried", _SeedEcho(fail_on=2))
+    with pytest.raises(RuntimeError, match="engine died"):
+        retried.generate(0)
+    assert not retried_store.exists(0) and retried.data_source.position == 0  # nothing half-written
+    retried.generate(0)
+    assert retried_store.read(0).equals(whole_store.read(0))
+    assert retried.data_source.position == whole.data_source.position == 6
+    assert retried.generate(0)["generate_rounds"] == 3  # a further retry reads the stored rollout

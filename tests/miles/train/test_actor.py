@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from miles.engines.torch_engine import TorchEngine
 from miles.train.actor import TrainActor
-from miles.train.advantages import grpo_advantages
+from miles.train.algorithms.advantages import grpo
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs
 from tests.helpers.samples import make_requests, seeded, training_table
@@ -18,8 +18,8 @@ def rollout(tiny_model_dir):
     requests = make_requests(tokenizer, [f"{a}+{a + 3}=" for a in range(8)] * 2)
     results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(seeded(requests, 11))
     torch.manual_seed(0)
-    rewards = torch.rand(len(results)).numpy()
-    advantages = grpo_advantages(rewards, torch.arange(len(results)).numpy() // 4).tolist()
+    rewards = torch.rand(len(results), dtype=torch.float64)
+    advantages = grpo(rewards, torch.arange(len(results)) // 4).tolist()
     return training_table(requests, results, advantages)
 
 
@@ -27,9 +27,19 @@ def _actor(small_config, tiny_model_dir, tmp_path, *overrides):
     return TrainActor(small_config(*overrides, run_dir=str(tmp_path)), str(tiny_model_dir))
 
 
-def test_micro_batches_accumulate_to_the_full_batch_update(small_config, tiny_model_dir, tmp_path, rollout):
-    whole = _actor(small_config, tiny_model_dir, tmp_path / "a", "train.micro_batch_size=16")
-    split = _actor(small_config, tiny_model_dir, tmp_path / "b", "train.micro_batch_size=4")
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        [],  # ppo_clip, token_mean
+        ["algo.policy_loss=gspo"],  # seq_mean_token_mean
+        ["algo.policy_loss=cispo", "algo.loss_aggregation=seq_mean_token_sum"],
+        ["algo.advantage_estimator=dr_grpo", "algo.tis_level=sequence"],  # seq_mean_token_sum_norm
+    ],
+    ids=["ppo_clip", "gspo", "cispo", "dr_grpo"],
+)
+def test_micro_batches_accumulate_to_the_full_batch_update(small_config, tiny_model_dir, tmp_path, rollout, algorithm):
+    whole = _actor(small_config, tiny_model_dir, tmp_path / "a", "train.micro_batch_size=16", *algorithm)
+    split = _actor(small_config, tiny_model_dir, tmp_path / "b", "train.micro_batch_size=4", *algorithm)
     m_whole, m_split = whole.train(0, rollout), split.train(0, rollout)
     # Adam's first step moves each weight by about lr (1e-3) times the sign of its gradient: a wrong accumulation
     # moves most weights by ~lr, while summation order alone can nudge an element whose gradient is ~0.

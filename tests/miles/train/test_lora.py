@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
-from miles.train.advantages import grpo_advantages
+from miles.train.algorithms.advantages import grpo
 from miles.train.batch import batch_from_table
 from miles.train.lora import LoRATrainActor, is_adapter_key
 from miles.train.update import batch_logprobs
@@ -29,8 +29,8 @@ def rollout(tiny_model_dir, tokenizer):
     requests = make_requests(tokenizer, PROMPTS)
     results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(seeded(requests, 11))
     torch.manual_seed(0)
-    rewards = torch.rand(len(results)).numpy()
-    advantages = grpo_advantages(rewards, torch.arange(len(results)).numpy() // 4).tolist()
+    rewards = torch.rand(len(results), dtype=torch.float64)
+    advantages = grpo(rewards, torch.arange(len(results)) // 4).tolist()
     return training_table(requests, results, advantages)
 
 

@@ -1,0 +1,84 @@
+"""Advantage estimators: one score per sample in, one advantage per sample out.
+
+Signature (built-ins and `pkg.mod:fn` alike): `estimator(scores, groups) -> advantages`, all shape [N]. `scores` are
+the samples' rewards after shaping (failed samples are already left out), float64; `groups` holds each sample's
+prompt group as any integer ids. The trainer broadcasts each advantage over its sample's response tokens.
+
+Conventions, written down once:
+- std is the unbiased one (divisor n - 1), per group for GRPO, over the batch for the REINFORCE++ pair; a set of
+  one sample has std 0.
+- eps = 1e-6 is added to the std, outside the square root: (r - mean) / (std + eps).
+- A group of one sample (the others of its prompt failed, or n_samples_per_prompt = 1) has no baseline: grpo,
+  dr_grpo, rloo and reinforce_plus_plus_baseline give it advantage 0. reinforce_plus_plus ignores groups.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-6
+
+
+def _group_means(scores: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's group mean and group size."""
+    _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device).index_add_(0, inverse, scores)
+    return (sums / counts)[inverse], counts[inverse].to(scores.dtype)
+
+
+def _batch_normalized(values: torch.Tensor) -> torch.Tensor:
+    if len(values) < 2:
+        return torch.zeros_like(values)
+    return (values - values.mean()) / (values.std(unbiased=True) + EPS)
+
+
+def grpo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """A_i = (r_i - mean_g r) / (std_g r + eps) over the samples g of the same prompt.
+
+    Shao et al. 2024, DeepSeekMath (arXiv:2402.03300), section 4.1.2, outcome supervision. Zero-mean per group.
+    """
+    means, counts = _group_means(scores, groups)
+    centred = scores - means
+    squares, _ = _group_means(centred**2, groups)
+    std = torch.sqrt(torch.where(counts > 1, squares * counts / (counts - 1).clamp(min=1), 0.0))
+    return centred / (std + EPS)
+
+
+def dr_grpo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - mean_g r: GRPO without the std division, whose per-question weighting is biased.
+
+    Liu et al. 2025, Understanding R1-Zero-Like Training: A Critical Perspective (arXiv:2503.20783), section 3.2;
+    used with the seq_mean_token_sum_norm aggregation (its default), which removes the length bias too.
+    Zero-mean per group.
+    """
+    means, _ = _group_means(scores, groups)
+    return scores - means
+
+
+def rloo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - mean of the other k - 1 samples of the group = k / (k - 1) (r_i - mean_g r).
+
+    Kool et al. 2019, Buy 4 REINFORCE Samples, Get a Baseline for Free!; Ahmadian et al. 2024, Back to Basics
+    (arXiv:2402.14740), eq. 7. Zero-mean per group.
+    """
+    means, counts = _group_means(scores, groups)
+    return torch.where(counts > 1, counts / (counts - 1).clamp(min=1) * (scores - means), 0.0)
+
+
+def reinforce_plus_plus(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """A_i = (r_i - mean_B r) / (std_B r + eps) over the whole batch B: no per-prompt baseline.
+
+    Hu 2025, REINFORCE++ (arXiv:2501.03262), global advantage normalisation. The paper whitens over tokens; here
+    each sample counts once (its advantage is the same on all its tokens). Zero-mean over the batch.
+    """
+    return _batch_normalized(scores)
+
+
+def reinforce_plus_plus_baseline(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """A_i = normalise_B(r_i - mean_g r): the group mean as baseline, then global batch normalisation.
+
+    Hu 2025, REINFORCE++ (arXiv:2501.03262), the REINFORCE++-baseline variant for reasoning tasks. Zero-mean over
+    the batch; a group whose scores are all equal gets 0.
+    """
+    means, _ = _group_means(scores, groups)
+    return _batch_normalized(scores - means)

@@ -1,0 +1,117 @@
+"""miles.train.update.train_on_rollout on a one-parameter policy whose gradient is worked out by hand."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pytest
+import torch
+
+from miles.config import load_config
+from miles.rollout.schema import ROLLOUT_SCHEMA
+from miles.train.algorithms import Algorithm
+from miles.train.update import token_advantages, train_on_rollout
+
+OLD_LOGPROB, ROLLOUT_LOGPROB = -1.0, -1.2
+
+
+class OneTokenPolicy(torch.nn.Module):
+    """Logits [theta, 0] at every position over a vocabulary of two: log p(token 0) = log sigmoid(theta)."""
+
+    def __init__(self, logprob: float):
+        super().__init__()
+        p = math.exp(logprob)
+        self.theta = torch.nn.Parameter(torch.tensor(math.log(p / (1 - p)), dtype=torch.float64))
+
+    def forward(self, input_ids, attention_mask):
+        theta = self.theta.expand(input_ids.shape)
+        return SimpleNamespace(logits=torch.stack([theta, torch.zeros_like(theta)], dim=-1))
+
+
+def _one_token_rollout(advantage: float) -> pa.Table:
+    """Prompt [1], response [0] sampled by the engine with log-prob ROLLOUT_LOGPROB."""
+    columns = {
+        "rollout_id": [0],
+        "sample_index": [0],
+        "group_index": [0],
+        "adapter": [None],
+        "prompt_ids": [[1]],
+        "response_ids": [[0]],
+        "response_length": [1],
+        "rollout_logprobs": [[ROLLOUT_LOGPROB]],
+        "loss_mask": [[1]],
+        "raw_reward": [1.0],
+        "advantage": [advantage],
+        "status": ["completed"],
+        "weight_version": [0],
+        "label": [""],
+    }
+    return pa.table(columns, schema=ROLLOUT_SCHEMA)
+
+
+def _logprob_gradient(*overrides: str) -> float:
+    """dL/d log pi(token) at log pi = OLD_LOGPROB (the current policy is the old one), advantage 1; float32 log-probs."""
+    config = load_config(
+        None,
+        [
+            "rollout.rollout_batch_size=1",
+            "rollout.n_samples_per_prompt=1",
+            "train.global_batch_size=1",
+            "train.micro_batch_size=1",
+            "algo.eps_clip_high=0.3",  # ratio exp(0.2) = 1.2214 stays inside the clip range
+            *overrides,
+        ],
+    )
+    policy = OneTokenPolicy(OLD_LOGPROB)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    train_on_rollout(
+        policy, optimizer, list(policy.parameters()), _one_token_rollout(1.0), config, torch.device("cpu"), 1
+    )
+    # d log sigmoid(theta) / d theta = 1 - sigmoid(theta) = 1 - exp(OLD_LOGPROB)
+    return float(policy.theta.grad) / (1 - math.exp(OLD_LOGPROB))
+
+
+def test_rollout_logprobs_as_old_policy_are_not_corrected_twice():
+    # Old policy = rollout policy: L = -A pi_theta / pi_rollout, dL/dlogp = -exp(-1.0 + 1.2) = -1.2214. A TIS
+    # weight pi_old / pi_rollout on top would make it -1.2214 * 1.2214 = -1.4918.
+    gradient = _logprob_gradient("algo.use_rollout_logprobs=true", "algo.use_tis=true")
+    assert gradient == pytest.approx(-math.exp(0.2), abs=1e-6)
+
+
+def test_recomputed_old_policy_is_corrected_by_the_tis_weight():
+    # Old policy = the trainer's recompute (-1.0): ratio 1, dL/dlogp = -A * 1 * w, w = exp(-1.0 + 1.2) = 1.2214:
+    # the same correction as the rollout-log-prob path above.
+    assert _logprob_gradient("algo.use_tis=true") == pytest.approx(-math.exp(0.2), abs=1e-6)
+    assert _logprob_gradient("algo.use_tis=false") == pytest.approx(-1.0, abs=1e-6)
+
+
+def test_masked_tis_drops_a_token_out_of_band():
+    # w = 1.2214 is above tis_clip=1.1: clamp mode gives 1.1, mask mode gives 0.
+    assert _logprob_gradient("algo.tis_clip=1.1") == pytest.approx(-1.1, abs=1e-6)
+    assert _logprob_gradient("algo.tis_clip=1.1", "algo.tis_mode=mask") == 0.0
+
+
+def test_kl_in_reward_adds_the_penalty_return_to_go():
+    algo = load_config(None, ["algo.kl_in_reward=true", "algo.kl_reward_coef=0.1", "algo.kl_estimator=k1"]).algo
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    old = torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, -0.3, -0.7, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[0.0, -1.5, -1.0, -0.5], [0.0, -0.1, -0.2, 0.0]], dtype=torch.float64)
+    # k1 = old - ref, masked: [[0, 0.5, -1, 0], [0, -0.2, -0.5, 0]]
+    # return to go (sum over t' >= t): [[-0.5, -0.5, -1, 0], [-0.7, -0.7, -0.5, 0]]
+    # advantage - 0.1 * return to go, with advantages [1, -2]:
+    expected = torch.tensor([[1.05, 1.05, 1.1, 1.0], [-1.93, -1.93, -1.95, -2.0]], dtype=torch.float64)
+    out = token_advantages(
+        torch.tensor([1.0, -2.0], dtype=torch.float64), mask, algo, Algorithm.from_config(algo), old, ref
+    )
+    torch.testing.assert_close(out * mask, expected * mask)
+
+
+def test_kl_penalty_leaves_advantages_alone_without_kl_in_reward():
+    algo = load_config(None).algo
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    out = token_advantages(
+        torch.tensor([0.5], dtype=torch.float64), mask, algo, Algorithm.from_config(algo), None, None
+    )
+    torch.testing.assert_close(out, torch.full((1, 3), 0.5, dtype=torch.float64))
