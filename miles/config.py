@@ -123,7 +123,7 @@ class AlgoConfig(_Section):
     loss_aggregation: str | None = Field(
         None,
         description="token_mean, seq_mean_token_sum, seq_mean_token_mean, seq_mean_token_sum_norm, or 'pkg.mod:fn'; "
-        "unset: the method's own (dr_grpo: seq_mean_token_sum_norm, gspo: seq_mean_token_mean, else token_mean)",
+        "unset: the method's own (gspo: seq_mean_token_mean, else dr_grpo: seq_mean_token_sum_norm, else token_mean)",
     )
     eps_clip: float = Field(0.2, gt=0, description="lower clip of the ratio: 1 - eps_clip")
     eps_clip_high: float | None = Field(None, gt=0, description="upper clip: 1 + eps_clip_high; unset: eps_clip")
