@@ -79,7 +79,8 @@ class RolloutExecutor:
             tables.append(self._generate_round(rollout_id, len(tables)))
         end = self.data_source.position + len(tables) * cfg.rollout_batch_size
         table = with_rollout_metadata(
-            pa.concat_tables(tables),
+            # One dictionary per column across rounds: an Arrow IPC file holds one per field.
+            pa.concat_tables(tables).unify_dictionaries().combine_chunks(),
             rollout_id=rollout_id,
             algorithm=self.config.algo.advantage_estimator,
             data_position_end=end,

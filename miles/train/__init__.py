@@ -1,1 +1,1 @@
-"""The trainer side: advantages, losses, the Arrow-to-tensor batch, and the TrainActor."""
+"""The trainer side: the algorithms (advantages, losses, KL, aggregation), the Arrow-to-tensor batch, the update and the TrainActor."""

@@ -1,4 +1,5 @@
-"""The learning bar of the embedded default: the full warm-up and RL run, sync (plain loop) and async (the flow).
+"""The learning bar of the embedded default: the full warm-up and RL run, sync (plain loop) and async (the flow),
+and the sync run under other algorithms.
 
 Bar: sampled reward of the last 20 iterations at least 0.02 above the first 20 (the noise of that difference is
 about 0.005: 20 x 512 samples a side), and greedy accuracy of the final checkpoint on 200 held-out sums no lower
@@ -40,6 +41,41 @@ def test_sync_default_config_learns_addition(ray_session, tmp_path, model_cache_
     config = load_config(None, run_dir=str(tmp_path / "run"))
     run_sync(config)
     _check_learning(config)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        # GSPO with the paper's clip range (section 5.1): sequence ratios move far less than token ratios.
+        ["algo.policy_loss=gspo", "algo.eps_clip=3e-4", "algo.eps_clip_high=4e-4"],
+        ["algo.advantage_estimator=rloo"],
+    ],
+    ids=["gspo", "rloo"],
+)
+def test_sync_learns_addition_with(algorithm, ray_session, tmp_path, model_cache_env):
+    from miles.loop import run_sync
+
+    config = load_config(None, algorithm, run_dir=str(tmp_path / "run"))
+    run_sync(config)
+    _check_learning(config)
+
+
+def test_dynamic_sampling_trains_on_fewer_zero_advantage_groups(ray_session, tmp_path, model_cache_env):
+    """The first 20 rollouts of the default run, with and without DAPO's dynamic sampling."""
+    from miles.loop import run_sync
+
+    def trained_on(*overrides: str) -> dict[str, int]:
+        config = load_config(None, list(overrides), run_dir=str(tmp_path / str(len(overrides))), num_rollout=20)
+        run_sync(config)
+        records = [json.loads(line) for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()]
+        return {k: sum(r[k] for r in records) for k in ("zero_advantage_groups", "filtered_groups", "generate_rounds")}
+
+    plain = trained_on()
+    dynamic = trained_on("algo.dynamic_sampling=true", "rollout.max_generate_rounds=3")
+    print({"plain": plain, "dynamic": dynamic})
+    assert plain["filtered_groups"] == 0 and plain["generate_rounds"] == 20
+    assert dynamic["filtered_groups"] > 0 and dynamic["generate_rounds"] > 20
+    assert dynamic["zero_advantage_groups"] < plain["zero_advantage_groups"]
 
 
 def test_async_flow_learns_addition(ray_session, prefect_api, tmp_path, model_cache_env):

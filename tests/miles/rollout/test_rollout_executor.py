@@ -287,7 +287,8 @@ def test_overlong_responses_lose_reward_before_the_advantages(tmp_path):
 
 
 class _SeedEcho:
-    """A controller whose sample is the token `seed % 7 + 3`; it fails the call numbered `fail_on`, once."""
+    """A controller whose sample is the token `seed % 7 + 3`, cut at max_new_tokens on prompt "2" (so rounds hold
+    different statuses); it fails the call numbered `fail_on`, once."""
 
     def __init__(self, fail_on: int | None = None):
         self.calls = 0
@@ -300,14 +301,19 @@ class _SeedEcho:
         if self.calls == self.fail_on:
             self.fail_on = None
             raise RuntimeError("engine died")
-        return [GenerateResult([q.seed % 7 + 3, 2], [-0.5, -0.1], "stop", 0) for q in requests]
+        return [
+            GenerateResult([q.seed % 7 + 3], [-0.5], "length", 0)
+            if q.prompt_ids == [1, 2]
+            else GenerateResult([q.seed % 7 + 3, 2], [-0.5, -0.1], "stop", 0)
+            for q in requests
+        ]
 
 
 class _DigitTokenizer:
     eos_token_id = 2
 
     def __call__(self, prompts):
-        return {"input_ids": [[1, 5] for _ in prompts]}
+        return {"input_ids": [[1, int(p)] for p in prompts]}
 
     def batch_decode(self, ids, skip_special_tokens):
         return ["".join(str(t) for t in x if t != self.eos_token_id) for x in ids]
@@ -343,7 +349,7 @@ def test_dynamic_sampling_draws_rounds_until_enough_groups_differ(tmp_path):
     summary = executor.generate(1)
     # Round 0 (prompts 0, 1) has no group with spread, round 1 (2, 3) one, round 2 (4, 5) two more: it stops there.
     table = store.read(1)
-    assert summary["generate_rounds"] == 3 and summary["samples"] == 12
+    assert summary["generate_rounds"] == 3 and summary["samples"] == 12 and summary["truncated_fraction"] == 2 / 12
     assert table.column("label").to_pylist() == [label for label in DYNAMIC_LABELS[:6] for _ in range(2)]
     # Sample and group numbers of slots 3..5 (rollout 1 x 3 rounds + round): unique within the run.
     assert table.column("sample_index").to_pylist() == list(range(12, 24))
