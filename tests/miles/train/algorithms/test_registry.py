@@ -92,19 +92,6 @@ def test_unknown_name_rejected_by_the_config(kind):
         assert repr(name) in message
 
 
-def test_unknown_policy_loss_message():
-    with pytest.raises(ConfigError) as info:
-        load_config(None, ["algo.policy_loss=nope"])
-    message = str(info.value)
-    assert "algo.policy_loss" in message
-    assert "['cispo', 'gspo', 'ppo_clip']" in message
-
-
-def test_check_algorithm_name_rejects_unknown():
-    with pytest.raises(ValueError, match="ppo_clip"):
-        check_algorithm_name("policy_loss", "nope")
-
-
 @pytest.mark.parametrize(
     "spec, reason",
     [
