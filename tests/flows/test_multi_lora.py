@@ -127,8 +127,14 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
 
     assert state.is_completed(), state.message
     task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
-    runs = {r.name: r for r in task_runs}
-    assert runs["generate[sub, rollout=1]"].run_count == 2 and runs["train_step[add, rollout=2]"].run_count == 2
+    retried = {r.name for r in task_runs if r.run_count == 2}
+    # The engine dies as sub's generate(1) starts, the shared trainer as add's train_step(2) starts. Their calls
+    # fail and are retried, and so is any other adapter's call in flight then; a call still queued behind a failed
+    # one finds the restarted actor and runs once. Which is which depends on how the two branches interleave.
+    assert "train_step[add, rollout=2]" in retried
+    assert any(name.startswith("generate[") for name in retried)
+    assert all(name.startswith(("generate[", "train_step[")) for name in retried)
+    assert all(r.run_count <= 2 for r in task_runs)
     assert all(r.state.is_completed() for r in task_runs)
     for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):
         adapter_dir = Path(config.run_dir) / "adapters" / adapter
