@@ -170,6 +170,13 @@ def test_prompt_longer_than_the_context_is_refused_before_any_work(small_config,
     assert not (tmp_path / "never" / "rollouts").exists()
 
 
+def test_an_algorithm_that_cannot_be_imported_is_refused_before_any_work(small_config, tmp_path):
+    config = small_config("algo.policy_loss=no_such_module_xyz:loss", run_dir=str(tmp_path / "never"))
+    with pytest.raises(ConfigError, match="algo.policy_loss: cannot import 'no_such_module_xyz:loss'"):
+        RLRun(config)
+    assert not (tmp_path / "never").exists()
+
+
 def test_samples_whose_reward_fails_are_counted_and_the_run_goes_on(small_config, tmp_path, caplog):
     data = tmp_path / "prompts.jsonl"
     rows = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a, b in ((1, 2), (3, 4), (10, 5), (7, 7), (20, 1), (6, 3))]
