@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 import torch
+import torch.distributed as dist
 
 from miles.config import AlgoConfig, RunConfig
 from miles.train.algorithms import Algorithm
@@ -50,6 +51,25 @@ def token_advantages(
     return per_token - algo.kl_reward_coef * penalty.flip(1).cumsum(1).flip(1)
 
 
+def rank_rows(token_counts: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Each rank's rows of one global batch ([gbs] trained tokens per row): the same number of rows per rank (FSDP's
+    collectives need every rank to run the same forwards), balanced by tokens by dealing the rows, longest first,
+    in snake order (0, 1, .., N-1, N-1, .., 0); each rank's rows in their original order."""
+    order = torch.argsort(token_counts, descending=True, stable=True)
+    position = torch.arange(len(order))
+    turn, seat = position // world, position % world
+    owner = torch.where(turn % 2 == 0, seat, world - 1 - seat)
+    return [torch.sort(order[owner == rank]).values for rank in range(world)]
+
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    total = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
 def train_on_rollout(
     model,
     optimizer: torch.optim.Optimizer,
@@ -63,38 +83,49 @@ def train_on_rollout(
     """`num_passes` passes of samples / global_batch_size optimizer steps over the rollout; returns its metrics.
 
     Per micro-batch: loss = aggregate(policy_loss * importance weight) + kl_loss_coef * aggregate(KL)
-    - entropy_coef * aggregate(entropy), each aggregate normalised over the micro-batch's global batch."""
+    - entropy_coef * aggregate(entropy), each aggregate normalised over the micro-batch's global batch.
+
+    In a process group of N ranks (an FSDP-sharded model, gradients summed across ranks), each rank trains on its
+    share of every global batch (`rank_rows`); the aggregation's denominators and the metrics are summed over the
+    ranks, so the update and the metrics equal a single process's."""
     started = time.perf_counter()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     algo = config.algo
     algorithm = Algorithm.from_config(algo)
     aggregate = algorithm.loss_aggregation
     batch = batch_from_table(table, pad_token_id)
+    gbs = config.train.global_batch_size
+    if world > 1:
+        counts = batch.response_mask.sum(dim=1)
+        batch = batch.rows(
+            torch.cat(
+                [start + rank_rows(counts[start : start + gbs], world)[rank] for start in range(0, len(batch), gbs)]
+            )
+        )
+    local_gbs = gbs // world
+    mbs = min(config.train.micro_batch_size, local_gbs)
     mask_all = batch.response_mask.to(device)
     rollout_lp = batch.rollout_logprobs.to(device)
-    gbs, mbs = config.train.global_batch_size, config.train.micro_batch_size
     # The policy before this rollout's first step: the first global batch's forward passes run before that
     # step, so they give its rows for free. The other rows need a forward now, before any step, when the loss uses
     # them (as the old policy, or for the off-policy weight); otherwise the trainer-vs-rollout metrics cover the
     # first batch only.
     trainer_lp = torch.zeros_like(rollout_lp)
     needs_old_policy = not algo.use_rollout_logprobs or algo.corrects_off_policy
-    if len(batch) > gbs and needs_old_policy:
-        trainer_lp[gbs:] = batch_logprobs(model, batch.rows(slice(gbs, None)), config, device)
-    measured = slice(None) if needs_old_policy else slice(0, gbs)
+    if len(batch) > local_gbs and needs_old_policy:
+        trainer_lp[local_gbs:] = batch_logprobs(model, batch.rows(slice(local_gbs, None)), config, device)
+    measured = slice(None) if needs_old_policy else slice(0, local_gbs)
     ref_lp = reference(batch) if reference is not None else None
 
     sums = dict(pg_loss=0.0, kl_ref=0.0, entropy=0.0, ppo_kl=0.0, clipped=0.0, tokens=0.0)
     step_losses, grad_norms = [], []
     for pass_ in range(config.train.num_passes):
-        for start in range(0, len(batch), gbs):
-            scale = LossScale(
-                tokens=float(mask_all[start : start + gbs].sum().clamp(min=1)),
-                sequences=gbs,
-                horizon=config.rollout.max_new_tokens,
-            )
+        for start in range(0, len(batch), local_gbs):
+            (step_tokens,) = _all_reduce_sum([float(mask_all[start : start + local_gbs].sum())])
+            scale = LossScale(tokens=max(step_tokens, 1.0), sequences=gbs, horizon=config.rollout.max_new_tokens)
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            for m in range(start, start + gbs, mbs):
+            for m in range(start, start + local_gbs, mbs):
                 rows = slice(m, m + mbs)
                 mb = batch.rows(rows)
                 tokens = mb.tokens.to(device)
@@ -128,32 +159,44 @@ def train_on_rollout(
                 sums["ppo_kl"] += float(((old_lp - logp.detach()) * mask).sum())
                 sums["clipped"] += float((clipped * mask).sum())
                 sums["tokens"] += float(mask.sum())
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, config.train.grad_clip)))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.grad_clip)
+            # sharded parameters give the norm as a DTensor; its full value is the global norm
+            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
             step_losses.append(step_loss)
             optimizer.step()
 
-    tokens = max(sums["tokens"], 1.0)
-    mask_f = mask_all.float()
-    mask_count = mask_f[measured].sum().clamp(min=1)
+    mask_f = mask_all.float()[measured]
+    gap = (trainer_lp - rollout_lp)[measured]
+    local = {
+        **sums,
+        "step_losses": sum(step_losses),
+        "measured_tokens": float(mask_f.sum()),
+        "abs_gap": float((gap.abs() * mask_f).sum()),
+        "gap": float((gap * mask_f).sum()),
+    }
+    if algo.corrects_off_policy:
+        weights, changed = importance_weights(trainer_lp[measured], rollout_lp[measured], mask_f, algo)
+        local["tis_weights"] = float((weights * mask_f).sum())
+        local["tis_changed"] = float((changed * mask_f).sum())
+    total = dict(zip(local, _all_reduce_sum(list(local.values())), strict=True))
+    tokens = max(total["tokens"], 1.0)
+    measured_tokens = max(total["measured_tokens"], 1.0)
     metrics = {
-        "loss": sum(step_losses) / len(step_losses),
-        "pg_loss": sums["pg_loss"] / tokens,
-        "entropy": sums["entropy"] / tokens,
-        "ppo_kl": sums["ppo_kl"] / tokens,
-        "clip_fraction": sums["clipped"] / tokens,
+        "loss": total["step_losses"] / len(step_losses),
+        "pg_loss": total["pg_loss"] / tokens,
+        "entropy": total["entropy"] / tokens,
+        "ppo_kl": total["ppo_kl"] / tokens,
+        "clip_fraction": total["clipped"] / tokens,
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "optimizer_steps": len(grad_norms),
-        "train_rollout_logprob_abs_diff": float(
-            ((trainer_lp - rollout_lp).abs() * mask_f)[measured].sum() / mask_count
-        ),
+        "train_rollout_logprob_abs_diff": total["abs_gap"] / measured_tokens,
         # k1 estimate of KL(rollout policy || trainer policy) on the sampled tokens.
-        "train_rollout_kl": float(((rollout_lp - trainer_lp) * mask_f)[measured].sum() / mask_count),
+        "train_rollout_kl": -total["gap"] / measured_tokens,
         "train_seconds": time.perf_counter() - started,
     }
     if algo.use_kl_loss:
-        metrics["kl_ref"] = sums["kl_ref"] / tokens
+        metrics["kl_ref"] = total["kl_ref"] / tokens
     if algo.corrects_off_policy:
-        weights, changed = importance_weights(trainer_lp, rollout_lp, mask_f, algo)
-        metrics["tis_weight_mean"] = float((weights * mask_f).sum() / mask_count)
-        metrics["tis_clip_fraction"] = float((changed * mask_f).sum() / mask_count)
+        metrics["tis_weight_mean"] = total["tis_weights"] / measured_tokens
+        metrics["tis_clip_fraction"] = total["tis_changed"] / measured_tokens
     return metrics
