@@ -95,6 +95,8 @@ def train_on_rollout(
     aggregate = algorithm.loss_aggregation
     batch = batch_from_table(table, pad_token_id)
     gbs = config.train.global_batch_size
+    if gbs % world:
+        raise ValueError(f"train.global_batch_size ({gbs}) must split evenly over the {world} ranks")
     if world > 1:
         counts = batch.response_mask.sum(dim=1)
         batch = batch.rows(

@@ -15,12 +15,15 @@ from miles.train.sharding import full_state_dict, shard_model
 from miles.train.update import train_on_rollout
 
 
-def train_one_rank(rank: int, world: int, port: int, model_dir: str, rollout: str, overrides: list, out: str) -> None:
+def train_one_rank(
+    rank: int, world: int, rendezvous: str, model_dir: str, rollout: str, overrides: list, out: str
+) -> None:
     """Rank `rank` of `world` (world 1: no process group, no sharding) trains the model on the rollout file; rank 0
     writes the full weights to `out` (safetensors) and the metrics next to it."""
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # A file rendezvous: no port to find free and then lose to another process.
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     config = load_config(None, overrides)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     if world > 1:
@@ -38,4 +41,5 @@ def train_one_rank(rank: int, world: int, port: int, model_dir: str, rollout: st
         with open(out + ".json", "w") as f:
             json.dump(metrics, f)
     if world > 1:
+        dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()

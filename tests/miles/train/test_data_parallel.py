@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
@@ -25,12 +24,6 @@ def test_rank_rows_deal_equal_counts_balanced_by_tokens():
     first, second = rank_rows(tokens, 2)
     assert first.tolist() == [0, 1, 2, 7] and second.tolist() == [3, 4, 5, 6]
     assert (int(tokens[first].sum()), int(tokens[second].sum())) == (9 + 5 + 4 + 1, 8 + 7 + 3 + 2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +52,9 @@ def test_two_sharded_ranks_equal_one_process(tiny_model_dir, rollout_file, tmp_p
         *algorithm,
     ]
     one, two = str(tmp_path / "one.safetensors"), str(tmp_path / "two.safetensors")
-    train_one_rank(0, 1, 0, str(tiny_model_dir), rollout_file, overrides, one)
-    mp.spawn(train_one_rank, args=(2, _free_port(), str(tiny_model_dir), rollout_file, overrides, two), nprocs=2)
+    train_one_rank(0, 1, "", str(tiny_model_dir), rollout_file, overrides, one)
+    rendezvous = str(tmp_path / "rendezvous")
+    mp.spawn(train_one_rank, args=(2, rendezvous, str(tiny_model_dir), rollout_file, overrides, two), nprocs=2)
 
     single, sharded = load_file(one), load_file(two)
     assert single.keys() == sharded.keys()
