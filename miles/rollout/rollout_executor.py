@@ -150,7 +150,7 @@ class RolloutExecutor:
         scores = torch.from_numpy(table.column("raw_reward").to_numpy().astype(np.float64))
         algo = self.config.algo
         if algo.overlong_buffer_len is not None:
-            lengths = torch.from_numpy(table.column("response_length").to_numpy())
+            lengths = torch.from_numpy(table.column("response_length").to_numpy().copy())
             scores = scores + overlong_penalty(
                 lengths, self.config.rollout.max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty
             )
