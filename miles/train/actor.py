@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from miles.checkpoint import MODEL_DIR, optimizer_from_files, optimizer_to_files, write_checkpoint
 from miles.config import RunConfig
 from miles.run_dir import RunDir
+from miles.train.sharding import full_state_dict
 from miles.train.update import batch_logprobs, train_on_rollout
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class TrainActor:
         return metrics
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return full_state_dict(self.model)
 
     def save_checkpoint(self, rollout_id: int, state: dict[str, Any]) -> str:
         """Write the run's checkpoint of `rollout_id`: the model in HF format, the optimizer and the state."""

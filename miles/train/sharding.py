@@ -28,7 +28,7 @@ def shard_model(model: torch.nn.Module, device_type: str = "cpu") -> torch.nn.Mo
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer whole, on the CPU (a collective: every rank must call it)."""
+    """Every parameter and buffer whole, copied to the CPU; with a sharded model a collective that every rank calls."""
     return {
         name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().to("cpu", copy=True)
         for name, value in model.state_dict().items()

@@ -35,7 +35,7 @@ def train_one_rank(
     metrics = train_on_rollout(
         model, optimizer, list(model.parameters()), table, config, torch.device("cpu"), model.config.pad_token_id or 0
     )
-    weights = full_state_dict(model) if world > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights = full_state_dict(model)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in weights.items()}, out)
         with open(out + ".json", "w") as f:
