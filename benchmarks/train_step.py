@@ -225,6 +225,7 @@ def main() -> None:
             parser.error("choose the old policy with --old-logprobs, not with algo.use_rollout_logprobs / algo.use_tis")
 
         table = _rollout_table(model_dir, args.samples, args.prompt_tokens, args.response_tokens, args.micro_batch)
+        Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         ours = TrainActor(config, str(model_dir))
         plain = PlainTrainer(Path(model_dir), config, recompute)
         torch.set_num_threads(args.threads)

@@ -7,14 +7,16 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from miles.atomic import write_json_atomic
 
@@ -24,30 +26,50 @@ STATE_FILE = "state.json"
 CHECKSUMS_FILE = "checksums.json"
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
-OPTIMIZER_TENSORS = "optimizer.safetensors"
-OPTIMIZER_META = "optimizer.json"
+OPTIMIZER_DIR = "optimizer"
+OPTIMIZER_META = "param_groups.json"
 
 
-def optimizer_to_files(optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    state = optimizer.state_dict()
-    tensors, meta = {}, {"param_groups": state["param_groups"], "state": {}}
-    for param_id, entries in state["state"].items():
-        for name, value in entries.items():
+def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """The optimizer's state in `directory/optimizer/`: its tensors keyed `<parameter name>/<entry>` through
+    torch.distributed.checkpoint, each rank writing its own shard as safetensors (with the shard's offsets in the
+    file's header, so that another number of ranks can read it), and its hyper-parameters as JSON. With a sharded
+    model a collective that every rank calls; the directory must be the same (shared) one on every rank."""
+    state = get_optimizer_state_dict(model, optimizer)
+    tensors, scalars = {}, {}
+    for name, entries in state["state"].items():
+        for entry, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{param_id}.{name}"] = value.detach().contiguous().cpu()
+                tensors[f"{name}/{entry}"] = value
             else:
-                meta["state"].setdefault(str(param_id), {})[name] = value
-    save_file(tensors, str(directory / OPTIMIZER_TENSORS))
-    (directory / OPTIMIZER_META).write_text(json.dumps(meta))
+                scalars[f"{name}/{entry}"] = value
+    target = directory / OPTIMIZER_DIR
+    writer = HuggingFaceStorageWriter(str(target), save_distributed=True)
+    dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_json_atomic(target / OPTIMIZER_META, {"param_groups": state["param_groups"], "scalars": scalars})
 
 
-def optimizer_from_files(optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    meta = json.loads((directory / OPTIMIZER_META).read_text())
-    state: dict[int, dict[str, Any]] = {int(k): dict(v) for k, v in meta["state"].items()}
-    for key, tensor in load_file(str(directory / OPTIMIZER_TENSORS)).items():
-        param_id, name = key.split(".", 1)
-        state.setdefault(int(param_id), {})[name] = tensor
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Restore what save_optimizer wrote, whatever number of ranks wrote it: each rank reads the slices of its own
+    shards (a collective with a sharded model)."""
+    source = str(directory / OPTIMIZER_DIR)
+    meta = json.loads((directory / OPTIMIZER_DIR / OPTIMIZER_META).read_text())
+    parameters = dict(model.named_parameters())
+    tensors = {}
+    for key, stored in HuggingFaceStorageReader(source).read_metadata().state_dict_metadata.items():
+        parameter = parameters[key.rsplit("/", 1)[0]]
+        dtype = stored.properties.dtype
+        if tuple(stored.size) == tuple(parameter.shape):  # a per-element entry: sharded as its parameter is
+            tensors[key] = torch.zeros_like(parameter, dtype=dtype)
+        else:
+            tensors[key] = torch.zeros(stored.size, dtype=dtype, device=parameter.device)
+    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(source), no_dist=not dist.is_initialized())
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in [*tensors.items(), *meta["scalars"].items()]:
+        name, entry = key.rsplit("/", 1)
+        state.setdefault(name, {})[entry] = value
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": meta["param_groups"]})
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -107,18 +129,18 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def write_checkpoint(target: Path, rollout_id: int, state: dict[str, Any], write_files: Callable[[Path], None]) -> Path:
-    """Write the checkpoint directory `target` of rollout `rollout_id`: `write_files(staging)` fills a staging dir
-    beside it, then state.json (`state` and the rollout_id) and the checksums of every file, then one rename. An
-    existing checkpoint (a retried save) is kept as it is."""
-    if target.exists():
-        return target
-    root = target.parent
-    root.mkdir(parents=True, exist_ok=True)
-    for unfinished in root.glob(f".staging-{target.name}-*"):  # an attempt that died while writing (one writer per run)
-        shutil.rmtree(unfinished, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".staging-{target.name}-", dir=root))
-    write_files(staging)
+def staging_dir(target: Path) -> Path:
+    """An empty directory beside checkpoint `target` to write it in; what an attempt that died while writing left
+    there is cleared first (one writer per run)."""
+    staging = target.parent / f".staging-{target.name}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit_checkpoint(staging: Path, target: Path, rollout_id: int, state: dict[str, Any]) -> Path:
+    """Finish the checkpoint written in `staging`: state.json (`state` and the rollout_id), the checksums of every
+    file, then one rename to `target`. An existing checkpoint (a retried save) is kept as it is."""
     write_json_atomic(staging / STATE_FILE, {**state, "rollout_id": rollout_id})
     _write_checksums(staging)
     if target.exists():  # saved meanwhile by another attempt of the same save
@@ -126,3 +148,13 @@ def write_checkpoint(target: Path, rollout_id: int, state: dict[str, Any], write
     else:
         os.replace(staging, target)
     return target
+
+
+def write_checkpoint(target: Path, rollout_id: int, state: dict[str, Any], write_files: Callable[[Path], None]) -> Path:
+    """Write the checkpoint directory `target` of rollout `rollout_id` from one process: `write_files(staging)` fills
+    the staging dir, then commit_checkpoint. An existing checkpoint (a retried save) is kept as it is."""
+    if target.exists():
+        return target
+    staging = staging_dir(target)
+    write_files(staging)
+    return commit_checkpoint(staging, target, rollout_id, state)

@@ -45,70 +45,110 @@ class ActorLost(RuntimeError):
     """The actor died during a call; the next call starts it again, so a retry of the work can succeed."""
 
 
-class RestartableActor:
-    """A proxy for a Ray actor that is started again after it dies, rebuilt from the run directory by `start()`.
+class ActorGroup:
+    """Ray actors that take every call together, in rank order: the ranks of one SPMD program (a trainer's workers),
+    or a single actor. A call's result is rank 0's. When one rank fails the others may wait forever in a
+    collective, so a failure kills every member (and `release`s what the group holds, e.g. its placement group)."""
 
-    `proxy.method(*args)` calls the actor's method and returns its result. The call that meets the actor's death
-    raises ActorLost (the task's retry repeats the work); the next call first runs `start()`, which returns a new
-    handle with the state rebuilt (e.g. the latest checkpoint plus the ledger). Thread-safe: concurrent callers that
-    meet one death trigger one restart.
+    def __init__(self, handles: list[ray.actor.ActorHandle], release: Callable[[], None] | None = None):
+        self.handles = handles
+        self._release = release
+
+    def submit(self, method: str, *args: Any) -> list[ray.ObjectRef]:
+        return [getattr(handle, method).remote(*args) for handle in self.handles]
+
+    def results(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Every rank's result; the first failure (in completion order) kills a group of several and is raised."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready)
+            except ray.exceptions.RayError:
+                if len(self.handles) > 1:
+                    self.kill()
+                raise
+        return ray.get(refs)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self.results(self.submit(method, *args))[0]
+
+    def kill(self) -> None:
+        for handle in self.handles:
+            ray.kill(handle)
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+class RestartableActor:
+    """A proxy for an ActorGroup that is started again after it dies, rebuilt from the run directory by `start()`.
+
+    `proxy.method(*args)` calls the method on every member and returns rank 0's result. The call that meets a
+    member's death raises ActorLost (the task's retry repeats the work); the next call first runs `start()`, which
+    returns a new group with the state rebuilt (e.g. the latest checkpoint plus the ledger). Thread-safe: concurrent
+    callers that meet one death trigger one restart.
     """
 
-    def __init__(self, name: str, start: Callable[[], ray.actor.ActorHandle]):
+    def __init__(self, name: str, start: Callable[[], ActorGroup]):
         self.name = name
         self._start = start
         self._lock = threading.Lock()
         self._lost = False
-        self.handle = start()
+        self.group = start()
+
+    @property
+    def handles(self) -> list[ray.actor.ActorHandle]:
+        return self.group.handles
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         if method.startswith("_"):  # copy, pickle and friends probe for dunders: not actor methods
             raise AttributeError(method)
 
         def call(*args: Any) -> Any:
-            handle = self._live()
-            try:
-                return ray.get(getattr(handle, method).remote(*args))
-            except ray.exceptions.RayActorError as exc:
-                self._mark_lost(handle)
-                raise self._lost_error(method, exc) from exc
+            return ray.get(self._finished(method, *args)[0])
 
         return call
 
     def hand_over(self, method: Callable, *args: Any, to: Callable[[ray.ObjectRef], Any]) -> Any:
-        """`to(ref)` with `ref` the pending result of the actor's `method` (e.g. `TrainActor.weights`), for another
-        actor to consume without a copy here. If that fails with an actor error and this actor is the one that died,
-        raise ActorLost."""
-        handle = self._live()
+        """`to(ref)` with `ref` rank 0's result of the actor's `method` (e.g. `TrainActor.weights`), for another actor
+        to consume without a copy here. The result is complete (every rank done) before `to` sees it: a consumer never
+        waits on a group that lost a member."""
+        return to(self._finished(method.__name__, *args)[0])
+
+    def _finished(self, method: str, *args: Any) -> list[Any]:
+        """The refs of `method`'s finished results, one per rank; ActorLost when a member died meanwhile."""
+        group = self._live()
+        refs = group.submit(method, *args)
         try:
-            return to(getattr(handle, method.__name__).remote(*args))
+            group.results(refs)
         except ray.exceptions.RayActorError as exc:
-            try:
-                ray.get(handle.__ray_ready__.remote(), timeout=HEALTH_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                self._mark_lost(handle)
-                raise self._lost_error(method.__name__, exc) from exc
+            self._mark_lost(group)
+            raise ActorLost(
+                f"the {self.name} died during {method} ({first_line(exc)}); it restarts on the next call"
+            ) from exc
+        except ray.exceptions.RayError:
+            if len(group.handles) > 1:  # killed by results(): the next call starts the group again
+                self._mark_lost(group)
             raise
+        return refs
 
-    def _lost_error(self, method: str, exc: BaseException) -> ActorLost:
-        return ActorLost(f"the {self.name} died during {method} ({first_line(exc)}); it restarts on the next call")
-
-    def _live(self) -> ray.actor.ActorHandle:
+    def _live(self) -> ActorGroup:
         with self._lock:
             if self._lost:
                 log.warning("restarting the %s", self.name)
-                ray.kill(self.handle)
-                self.handle = self._start()
+                self.group = self._start()
                 self._lost = False
-            return self.handle
+            return self.group
 
-    def _mark_lost(self, handle: ray.actor.ActorHandle) -> None:
+    def _mark_lost(self, group: ActorGroup) -> None:
         with self._lock:
-            if handle is self.handle:  # not a stale handle from before the last restart
+            if group is self.group:  # not a stale group from before the last restart
+                group.kill()
                 self._lost = True
 
     def kill(self) -> None:
-        ray.kill(self.handle)
+        self.group.kill()
 
 
 def first_line(exc: BaseException) -> str:

@@ -198,6 +198,37 @@ class TrainConfig(_Section):
     num_passes: int = Field(1, gt=0, description="passes over each rollout")
     num_threads: int = Field(2, gt=0, description="torch threads of the train actor")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the trainer: cpu or cuda")
+    num_workers: int = Field(1, gt=0, description="trainer workers: Ray actors in one torch.distributed group")
+    sharding: Literal["none", "fsdp"] | None = Field(
+        None,
+        description="fsdp: FSDP2 per decoder layer plus the root; none: one unsharded process; "
+        "unset: fsdp when num_workers > 1 or param_dtype is not float32",
+    )
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype of the sharded model; gradients are reduced and stepped in float32"
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward")
+    weight_bucket_mb: float = Field(
+        512.0, gt=0, description="full tensors gathered at a time when weights leave a sharded trainer"
+    )
+    placement: Literal["pack", "spread"] = Field(
+        "pack", description="trainer workers on as few nodes as possible, or across nodes"
+    )
+
+    @model_validator(mode="after")
+    def _parallelism(self) -> TrainConfig:
+        if self.sharding == "none" and self.num_workers > 1:
+            raise ValueError(f"train.sharding=none runs one worker; num_workers={self.num_workers} needs fsdp")
+        if self.sharding == "none" and self.param_dtype != "float32":
+            raise ValueError(f"train.param_dtype={self.param_dtype} is FSDP2's mixed precision: needs sharding=fsdp")
+        return self
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 over a process group (of one worker, for mixed precision alone)."""
+        if self.sharding is not None:
+            return self.sharding == "fsdp"
+        return self.num_workers > 1 or self.param_dtype != "float32"
 
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -291,10 +322,21 @@ class RunConfig(_Section):
             raise ValueError(
                 "algo.dynamic_sampling needs rollout.n_samples_per_prompt >= 2: a group of one has no reward spread"
             )
+        if self.train.global_batch_size % self.train.num_workers:
+            raise ValueError(
+                f"train.num_workers ({self.train.num_workers}) must divide "
+                f"train.global_batch_size ({self.train.global_batch_size})"
+            )
         if self.train.global_batch_size % self.train.micro_batch_size:
             raise ValueError(
                 f"train.micro_batch_size ({self.train.micro_batch_size}) must divide "
                 f"train.global_batch_size ({self.train.global_batch_size})"
+            )
+        per_worker = self.train.global_batch_size // self.train.num_workers
+        if per_worker % min(self.train.micro_batch_size, per_worker):
+            raise ValueError(
+                f"train.micro_batch_size ({self.train.micro_batch_size}) must divide each worker's share of "
+                f"train.global_batch_size ({per_worker} = {self.train.global_batch_size} / train.num_workers)"
             )
         names = [adapter.name for adapter in self.adapters]
         repeated = sorted({name for name in names if names.count(name) > 1})
@@ -304,8 +346,8 @@ class RunConfig(_Section):
 
     @property
     def ray_actors(self) -> int:
-        """The Ray actors a run starts: its engines and one trainer."""
-        return self.rollout.num_engines + 1
+        """The Ray actors a run starts: its engines and its trainer workers."""
+        return self.rollout.num_engines + self.train.num_workers
 
     @property
     def samples_per_rollout(self) -> int:

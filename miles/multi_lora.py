@@ -19,7 +19,7 @@ import ray
 from transformers import AutoTokenizer
 
 from miles.checkpoint import ADAPTER_DIR
-from miles.cluster import RestartableActor, actor_options, ensure_ray
+from miles.cluster import ActorGroup, RestartableActor, actor_options, ensure_ray
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
 from miles.evaluate import evaluate_checkpoint
 from miles.iterations import Iterations, PolicyInputs
@@ -45,6 +45,11 @@ def resolve_adapters(config: RunConfig) -> list[AdapterConfig]:
 
 def check_adapter_inputs(config: RunConfig) -> dict[str, PolicyInputs]:
     """Each adapter's view of the run, dataset and reward, checked before any work; errors name the adapter."""
+    if config.train.sharded:
+        raise ConfigError(
+            f"train.num_workers={config.train.num_workers}, train.sharding={config.train.sharding}, "
+            f"train.param_dtype={config.train.param_dtype}: the multi-LoRA trainer is one unsharded float32 worker"
+        )
     checked = {}
     for index, adapter in enumerate(resolve_adapters(config)):
         if config.model.path is None and adapter.data.task is None:
@@ -87,7 +92,7 @@ class AdapterRun:
         self.iterations = Iterations(inputs, self.plan, controller, tokenizer, adapter=adapter.name)
         self.reporter = AdapterReporter(progress, adapter.name, self.config.num_rollout)
         if self.rollout_ids():
-            self.restore_on(trainer.handle)
+            self.restore_on(trainer.handles[0])
             self.lora_config = trainer.adapter_config(adapter.name)
             self._push(self.iterations.trainer_version)
 
@@ -214,7 +219,7 @@ class MultiLoRARun:
         }
         self.run_dir.record_start(self.config.model_dump(mode="json"), self.initial_model, start)
 
-    def _restored_trainer(self) -> ray.actor.ActorHandle:
+    def _restored_trainer(self) -> ActorGroup:
         """A LoRA trainer holding every adapter still training, each restored from its checkpoint and ledger."""
         trainer = (
             ray.remote(LoRATrainActor)
@@ -224,7 +229,7 @@ class MultiLoRARun:
         for adapter in self.adapters.values():
             if adapter.rollout_ids() and not adapter.retired:
                 adapter.restore_on(trainer)
-        return trainer
+        return ActorGroup([trainer])
 
     def active(self) -> list[AdapterRun]:
         """The adapters with rollouts left to train in this run."""

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import ray
 from transformers import AutoConfig, AutoTokenizer
 
 from miles.checkpoint import MODEL_DIR
-from miles.cluster import RestartableActor, actor_options, ensure_ray
+from miles.cluster import ActorGroup, RestartableActor, ensure_ray
 from miles.config import ConfigError, RunConfig
 from miles.data import check_prompt_lengths, load_rows
 from miles.evaluate import evaluate_checkpoint
@@ -30,6 +29,7 @@ from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
+from miles.train.group import start_trainer_group
 from miles.train.algorithms import Algorithm
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def initial_model(run_dir: RunDir, config: RunConfig, tasks: list[str]) -> Path:
     if recorded is not None:
         return recorded
     if config.model.path:
-        return Path(config.model.path)
+        return Path(config.model.path).resolve()
     return ensure_embedded_model(config.model, tasks, config.seed)
 
 
@@ -74,15 +74,18 @@ def check_off_policy_correction(config: RunConfig) -> None:
 
 
 class RLRun:
-    """Full-model RL: one TrainActor, engines that take full weight pushes.
+    """Full-model RL: a trainer group (train.num_workers TrainActors), engines that take full weight pushes.
 
-    A trainer that dies is started again on the next call (the task's retry): from the latest intact checkpoint,
-    then re-trained on the rollouts trained since, so it holds the weights it had.
+    A trainer worker that dies takes its group down; the group is started again on the next call (the task's
+    retry): from the latest intact checkpoint, then re-trained on the rollouts trained since, so it holds the
+    weights it had.
     """
 
     label = ""  # prefixes task run names in the UI; an adapter's run names its adapter
 
     def __init__(self, config: RunConfig):
+        # Every node resolves the run directory alike, whatever its working directory.
+        config = config.model_copy(update={"run_dir": str(Path(config.run_dir).resolve())})
         inputs = check_inputs(config)
         self.config = config
         self.run_dir = RunDir(config.run_dir).create()
@@ -120,23 +123,14 @@ class RLRun:
         model = plan.checkpoint / MODEL_DIR if plan.checkpoint else self.initial_model
         return InferenceController(str(model), plan.saved_weight_version, self.config.rollout)
 
-    def _restored_trainer(self) -> ray.actor.ActorHandle:
-        """A TrainActor from the latest intact checkpoint, re-trained on the rollouts trained after it."""
+    def _restored_trainer(self) -> ActorGroup:
+        """The trainer group from the latest intact checkpoint, re-trained on the rollouts trained after it."""
 
-        def start(checkpoint: Path | None) -> ray.actor.ActorHandle:
-            return (
-                ray.remote(TrainActor)
-                .options(**actor_options(self.config.train.device))
-                .remote(
-                    self.config,
-                    str(self.initial_model),
-                    str(checkpoint) if checkpoint else None,
-                    self.config.train.device,
-                )
-            )
+        def start(checkpoint: Path | None) -> ActorGroup:
+            return start_trainer_group(self.config, self.initial_model, checkpoint)
 
-        def train(trainer: ray.actor.ActorHandle, rollout_id: int, table: pa.Table) -> None:
-            ray.get(trainer.train.remote(rollout_id, table))
+        def train(trainers: ActorGroup, rollout_id: int, table: pa.Table) -> None:
+            trainers.call("train", rollout_id, table)
 
         return self.iterations.restore(start, train)
 

@@ -95,7 +95,8 @@ def check_full_model(root: Path, tokenizer) -> bool:
         run_dir=str(root / "run"),
     )
     engine = TorchEngine(str(model_dir), device=DEVICE)
-    trainer = TrainActor(config, str(model_dir), device=DEVICE)
+    Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+    trainer = TrainActor(config, str(model_dir))
     reward = resolve_reward("digit_match")
     ok = True
     for rollout_id in range(3):
@@ -182,7 +183,8 @@ def check_throughput(root: Path, tokenizer, hidden: int, layers: int, batch: int
         ],
         run_dir=str(root / "large-run"),
     )
-    trainer = TrainActor(config, str(model_dir), device=DEVICE)
+    Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+    trainer = TrainActor(config, str(model_dir))
     table = _table(requests, results, [float(i % 3) for i in range(batch)], 8)
     trainer.train(0, table)  # warm-up
     _synchronize()

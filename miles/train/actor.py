@@ -1,48 +1,87 @@
-"""TrainActor: the policy, its optimizer and the RL update, run inside a Ray actor."""
+"""TrainActor: the policy, its optimizer and the RL update; one rank of the trainer group, run inside a Ray actor."""
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.checkpoint import MODEL_DIR, optimizer_from_files, optimizer_to_files, write_checkpoint
+from miles.checkpoint import MODEL_DIR, commit_checkpoint, load_optimizer, save_optimizer, staging_dir
 from miles.config import RunConfig
 from miles.run_dir import RunDir
-from miles.train.sharding import full_state_dict
+from miles.train.sharding import full_state_dict, full_tensor_buckets, shard_model
 from miles.train.update import batch_logprobs, train_on_rollout
 
 log = logging.getLogger(__name__)
 
+# A rank that waits this long in a collective has lost its group; the group is restarted as a whole anyway.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
 
 class TrainActor:
-    def __init__(self, config: RunConfig, model_dir: str, checkpoint: str | None = None, device: str = "cpu"):
-        torch.set_num_threads(config.train.num_threads)
+    """Rank `rank` of `world_size` trainer workers. Every rank gets every call, in the same order (one SPMD program):
+    with `train.sharding=fsdp` the ranks form one torch.distributed group through `rendezvous` (`host:port` on rank
+    0's node), shard the model and each global batch; rank 0 alone writes the ledger and the checkpoint's own files
+    and returns the weights."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        model_dir: str,
+        checkpoint: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        rendezvous: str | None = None,
+    ):
+        train = config.train
+        torch.set_num_threads(train.num_threads)
         torch.manual_seed(config.seed)
         self.config = config
-        self.device = torch.device(device)
+        self.rank = rank
+        self.device = torch.device(train.device)
         self.run_dir = RunDir(config.run_dir)
+        if not self.run_dir.path.is_dir():
+            raise RuntimeError(
+                f"trainer worker {rank} cannot read the run directory {self.run_dir.path} from its node: "
+                "the run directory must be on storage that every node sees (a shared file system)"
+            )
+        if train.sharded:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=f"tcp://{rendezvous}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+            )
         source = Path(checkpoint) / MODEL_DIR if checkpoint else Path(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device).train()
+        self.model = self._load(source).train()
         self.tokenizer = AutoTokenizer.from_pretrained(source)
         self.pad_token_id = self.model.config.pad_token_id or 0
-        train = config.train
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=train.lr, betas=train.adam_betas, weight_decay=train.weight_decay
         )
         if checkpoint:
-            optimizer_from_files(self.optimizer, Path(checkpoint))
+            load_optimizer(self.model, self.optimizer, Path(checkpoint))
         self.ref_model = None
         if config.algo.needs_reference:
             # The reference is the run's starting policy, not the checkpoint it resumed from.
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
+            self.ref_model = self._load(Path(model_dir)).eval()
             self.ref_model.requires_grad_(False)
         self.ledger = self.run_dir.ledger()
+
+    def _load(self, source: Path) -> torch.nn.Module:
+        train = self.config.train
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
+        if train.gradient_checkpointing:
+            model.config.use_cache = False  # no KV cache while training: it would keep what checkpointing frees
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if train.sharded:
+            shard_model(model, self.device.type, train.param_dtype)
+        return model
 
     def trained_rollouts(self) -> list[int]:
         return sorted(self.ledger.trained)
@@ -64,18 +103,41 @@ class TrainActor:
             self.pad_token_id,
             reference,
         )
-        self.ledger.record(rollout_id, metrics)
+        if self.rank == 0:
+            self.ledger.record(rollout_id, metrics)
+        else:  # every rank decides the same retries; one writes the file
+            self.ledger.trained[rollout_id] = metrics
         return metrics
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return full_state_dict(self.model)
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """The full weights on rank 0, gathered train.weight_bucket_mb at a time; None on the other ranks."""
+        bucket_bytes = int(self.config.train.weight_bucket_mb * 2**20)
+        if self.rank == 0:
+            return full_state_dict(self.model, bucket_bytes)
+        for _ in full_tensor_buckets(self.model, bucket_bytes):
+            pass  # this rank's part of each gather
+        return None
 
     def save_checkpoint(self, rollout_id: int, state: dict[str, Any]) -> str:
-        """Write the run's checkpoint of `rollout_id`: the model in HF format, the optimizer and the state."""
+        """Write the run's checkpoint of `rollout_id`: the model in HF format (full weights, written by rank 0), the
+        optimizer (each rank its shard), the state; a retried save keeps the checkpoint already there."""
         target = self.run_dir.checkpoint(rollout_id)
-        return str(write_checkpoint(target, rollout_id, state, self._write_checkpoint_files))
+        if target.exists():
+            return str(target)
+        staging = target.parent / f".staging-{target.name}"
+        if self.rank == 0:
+            staging = staging_dir(target)
+        self._barrier()
+        weights = self.weights()
+        if self.rank == 0:
+            self.model.save_pretrained(staging / MODEL_DIR, state_dict=weights)
+            self.tokenizer.save_pretrained(staging / MODEL_DIR)
+        save_optimizer(self.model, self.optimizer, staging)
+        self._barrier()  # every rank's shard is written before rank 0 takes the checksums
+        if self.rank == 0:
+            commit_checkpoint(staging, target, rollout_id, state)
+        return str(target)
 
-    def _write_checkpoint_files(self, directory: Path) -> None:
-        self.model.save_pretrained(directory / MODEL_DIR)
-        self.tokenizer.save_pretrained(directory / MODEL_DIR)
-        optimizer_to_files(self.optimizer, directory)
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()

@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from miles.checkpoint import ADAPTER_DIR, optimizer_from_files, optimizer_to_files, write_checkpoint
+from miles.checkpoint import ADAPTER_DIR, load_optimizer, save_optimizer, write_checkpoint
 from miles.config import AdapterConfig, RunConfig
 from miles.run_dir import Ledger, RunDir
 from miles.seeds import adapter_init_seed
@@ -89,7 +89,7 @@ class LoRATrainActor:
         train = view.train
         optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.adam_betas, weight_decay=train.weight_decay)
         if checkpoint:
-            optimizer_from_files(optimizer, Path(checkpoint))
+            load_optimizer(self.model, optimizer, Path(checkpoint))
         run_dir = RunDir(view.run_dir)
         self.adapters[name] = _Adapter(view, optimizer, params, run_dir, run_dir.ledger())
 
@@ -156,4 +156,4 @@ class LoRATrainActor:
             str(target / ADAPTER_WEIGHTS),
             metadata={"format": "pt"},
         )
-        optimizer_to_files(self.adapters[name].optimizer, directory)
+        save_optimizer(self.model, self.adapters[name].optimizer, directory)

@@ -1,25 +1,34 @@
-"""FSDP2 sharding of a Hugging Face causal LM over the ranks of the default process group."""
+"""FSDP2 sharding of a Hugging Face causal LM over the ranks of the default process group, and its full weights."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def shard_model(model: torch.nn.Module, device_type: str = "cpu") -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, device_type: str = "cpu", param_dtype: str = "float32") -> torch.nn.Module:
     """Shard each decoder layer (the classes the model lists in `_no_split_modules`) and the root over all ranks.
+
+    The sharded parameters, their gradients and the optimizer state stay float32; with `param_dtype` bfloat16 the
+    layers compute on bfloat16 copies gathered for the forward and backward, and gradients are reduced in float32
+    (FSDP2's MixedPrecisionPolicy).
 
     Gradients are summed across ranks, not averaged: each rank's loss is already its share of the global batch's
     loss (normalised by global counts), so the sum is the single-process gradient."""
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -27,9 +36,39 @@ def shard_model(model: torch.nn.Module, device_type: str = "cpu") -> torch.nn.Mo
     return model
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_tensor_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's parameters and buffers whole, on the CPU, a bucket of at most `bucket_bytes` at a time (a tensor
+    larger than that is a bucket of its own). A bucket's gathers run together; only one bucket of full tensors is on
+    the device at once. With a sharded model every rank must iterate: each gather is a collective."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, value in model.state_dict().items():
+        nbytes = value.numel() * value.element_size()  # a DTensor's numel is the full tensor's
+        if bucket and size + nbytes > bucket_bytes:
+            yield _gathered(bucket)
+            bucket, size = [], 0
+        bucket.append((name, value))
+        size += nbytes
+    if bucket:
+        yield _gathered(bucket)
+
+
+def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    pending = [
+        (
+            name,
+            value.redistribute(placements=[Replicate()] * value.device_mesh.ndim, async_op=True).to_local()
+            if isinstance(value, DTensor)
+            else value,
+        )
+        for name, value in bucket
+    ]
+    return {name: value.detach().to("cpu", copy=True) for name, value in pending}
+
+
+def full_state_dict(model: torch.nn.Module, bucket_bytes: int = 1 << 30) -> dict[str, torch.Tensor]:
     """Every parameter and buffer whole, copied to the CPU; with a sharded model a collective that every rank calls."""
-    return {
-        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().to("cpu", copy=True)
-        for name, value in model.state_dict().items()
-    }
+    weights: dict[str, torch.Tensor] = {}
+    for bucket in full_tensor_buckets(model, bucket_bytes):
+        weights.update(bucket)
+    return weights

@@ -120,7 +120,7 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
         AdapterRun,
         "train",
         lambda adapter, i: (adapter.name, i) == ("add", 2),
-        lambda adapter: freeze_then_kill(adapter.trainer.handle),
+        lambda adapter: freeze_then_kill(adapter.trainer.handles[0]),
     )
 
     state = multi_lora(config, return_state=True)

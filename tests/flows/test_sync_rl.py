@@ -56,7 +56,7 @@ def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
     )
     # Rollout 2 is trained after checkpoint 1, so the restored trainer must replay it before training rollout 3.
     trainer_killed = fault_before(
-        monkeypatch, RLRun, "train", lambda run, i: i == 3, lambda run: freeze_then_kill(run.trainer.handle)
+        monkeypatch, RLRun, "train", lambda run, i: i == 3, lambda run: freeze_then_kill(run.trainer.handles[0])
     )
 
     state = sync_rl(config, return_state=True)

@@ -1,4 +1,5 @@
-"""miles.checkpoint: optimizer state as safetensors + JSON, checkpoint dirs with checksums."""
+"""miles.checkpoint: optimizer state through torch.distributed.checkpoint as safetensors + JSON, checkpoint dirs with
+checksums. (Saving with N ranks and loading with M is tested in tests/miles/train/test_trainer_group.py.)"""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from miles import checkpoint as ckpt
 from miles.checkpoint import (
     checkpoint_problem,
     latest_checkpoint,
-    optimizer_from_files,
-    optimizer_to_files,
+    load_optimizer,
     read_state,
+    save_optimizer,
     write_checkpoint,
 )
 from miles.run_dir import RunDir
@@ -50,14 +51,12 @@ def test_optimizer_round_trip(tmp_path):
     model, optimizer = _model_and_optimizer()
     _step(model, optimizer, 1)
     _step(model, optimizer, 2)
-    optimizer_to_files(optimizer, tmp_path)
-    assert (tmp_path / ckpt.OPTIMIZER_TENSORS).is_file()
-    assert (tmp_path / ckpt.OPTIMIZER_META).is_file()
+    save_optimizer(model, optimizer, tmp_path)
 
     # A second model with the same weights but a fresh optimizer, restored from the files.
     model2, optimizer2 = _model_and_optimizer(seed=123)
     model2.load_state_dict(model.state_dict())
-    optimizer_from_files(optimizer2, tmp_path)
+    load_optimizer(model2, optimizer2, tmp_path)
 
     original, restored = optimizer.state_dict(), optimizer2.state_dict()
     assert _normalise(restored["param_groups"]) == _normalise(original["param_groups"])
@@ -95,11 +94,13 @@ def test_restored_optimizer_differs_from_fresh_one(tmp_path):
 def test_optimizer_files_hold_no_pickle(tmp_path):
     model, optimizer = _model_and_optimizer()
     _step(model, optimizer, 1)
-    optimizer_to_files(optimizer, tmp_path)
-    meta = json.loads((tmp_path / ckpt.OPTIMIZER_META).read_text())
+    save_optimizer(model, optimizer, tmp_path)
+    meta = json.loads((tmp_path / ckpt.OPTIMIZER_DIR / ckpt.OPTIMIZER_META).read_text())
     assert meta["param_groups"][0]["lr"] == pytest.approx(1e-2)
     assert meta["param_groups"][0]["betas"] == [0.9, 0.98]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ckpt.OPTIMIZER_META, ckpt.OPTIMIZER_TENSORS])
+    files = sorted(p.name for p in (tmp_path / ckpt.OPTIMIZER_DIR).iterdir())
+    assert len(files) == 2 and files[0] == ckpt.OPTIMIZER_META and files[1].endswith(".safetensors")
+    assert not (tmp_path / ckpt.OPTIMIZER_DIR / ".metadata").exists()  # DCP's own metadata file is a pickle
 
 
 # ---------------------------------------------------------------- checkpoint dirs
@@ -187,7 +188,7 @@ def test_a_retried_save_keeps_the_existing_checkpoint(tmp_path):
 
 
 def test_a_save_clears_what_a_dead_attempt_left_half_written(tmp_path):
-    left = tmp_path / "checkpoints" / ".staging-4-abc123"
+    left = tmp_path / "checkpoints" / ".staging-4"
     (left / "model").mkdir(parents=True)
     (left / "model" / "weights.bin").write_bytes(b"cut")
     _complete(tmp_path, 4)

@@ -1,15 +1,17 @@
-"""RestartableActor: a proxy whose dead actor is started again on the next call, once, however many callers met the death."""
+"""RestartableActor: a proxy whose dead actor (group) is started again on the next call, once, however many callers met
+the death; a group of several is killed whole when one member dies."""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+import time
 
 import pytest
 import ray
 
-from miles.cluster import ActorLost, RestartableActor
+from miles.cluster import ActorGroup, ActorLost, RestartableActor
 from tests.helpers.faults import actor_pid, freeze_then_kill
 
 
@@ -44,7 +46,7 @@ def counter(ray_session):
     def start():
         handle = CounterActor.remote(100 * len(starts))  # "restored state": 0 at first, 100 after the first restart
         starts.append(len(starts))
-        return handle
+        return ActorGroup([handle])
 
     actor = RestartableActor("counter", start)
     yield actor, starts
@@ -54,7 +56,7 @@ def counter(ray_session):
 def test_a_dead_actor_fails_its_call_then_restarts_on_the_next(counter):
     actor, starts = counter
     assert actor.add(1) == 1
-    os.kill(actor_pid(actor.handle), signal.SIGKILL)
+    os.kill(actor_pid(actor.handles[0]), signal.SIGKILL)
     with pytest.raises(ActorLost, match="the counter died during add"):
         actor.add(1)
     assert actor.add(5) == 105  # rebuilt by start(), then the call
@@ -63,7 +65,7 @@ def test_a_dead_actor_fails_its_call_then_restarts_on_the_next(counter):
 
 def test_callers_that_meet_one_death_restart_it_once(counter):
     actor, starts = counter
-    freeze_then_kill(actor.handle, after_s=0.5)
+    freeze_then_kill(actor.handles[0], after_s=0.5)
     outcomes: list = []
     threads = [threading.Thread(target=lambda: outcomes.append(_try(actor.add, 1))) for _ in range(3)]
     for t in threads:
@@ -85,11 +87,43 @@ def test_hand_over_names_a_dead_producer_and_passes_other_errors_through(counter
     assert not isinstance(caught.value, ActorLost)
 
     consumer = Consumer.remote()
-    freeze_then_kill(actor.handle, after_s=0.5)
+    freeze_then_kill(actor.handles[0], after_s=0.5)
     with pytest.raises(ActorLost, match="the counter died during payload"):
         actor.hand_over(Counter.payload, to=lambda ref: ray.get(consumer.total.remote(ref)))
     assert actor.hand_over(Counter.payload, to=lambda ref: ray.get(consumer.total.remote(ref))) == 300
     assert starts == [0, 1]
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    def __init__(self, rank: int, generation: int):
+        self.rank, self.generation = rank, generation
+
+    def step(self, wait_s: float) -> tuple[int, int]:
+        time.sleep(wait_s if self.rank == 0 else 0)  # rank 0 as if blocked in a collective with a lost peer
+        return self.rank, self.generation
+
+
+def test_a_group_member_death_kills_the_group_and_the_next_call_restarts_every_member(ray_session):
+    groups: list[ActorGroup] = []
+
+    def start():
+        groups.append(ActorGroup([Rank.remote(rank, len(groups)) for rank in range(2)]))
+        return groups[-1]
+
+    group = RestartableActor("pair", start)
+    try:
+        assert group.step(0) == (0, 0)  # rank 0's result
+        freeze_then_kill(group.handles[1], after_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(ActorLost, match="the pair died during step"):
+            group.step(600)
+        assert time.monotonic() - started < 60  # rank 0 was not waited for
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(groups[0].handles[0].__ray_ready__.remote(), timeout=30)  # killed with its group
+        assert group.step(0) == (0, 1) and len(groups) == 2
+    finally:
+        group.kill()
 
 
 def _try(fn, *args):

@@ -4,6 +4,7 @@ import torch
 from miles.engines import RolloutEngine
 from miles.engines.torch_engine import TorchEngine
 from miles.train.actor import TrainActor
+from miles.run_dir import RunDir
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs
 from tests.helpers.samples import make_requests, seeded, training_table
@@ -18,7 +19,9 @@ def test_engine_logprobs_equal_trainer_logprobs(engine, tokenizer, tiny_model_di
     prompts = ["1+2=", "45+67=", "9+99=", "10+0=", "3+14="] * 4
     requests = make_requests(tokenizer, prompts)
     results = engine.generate(seeded(requests, 7))
-    trainer = TrainActor(small_config(), str(tiny_model_dir))
+    config = small_config()
+    RunDir(config.run_dir).create()
+    trainer = TrainActor(config, str(tiny_model_dir))
     batch = batch_from_table(training_table(requests, results), trainer.pad_token_id)
     trainer_lp = batch_logprobs(trainer.model, batch, trainer.config, trainer.device)
     mask = batch.response_mask

@@ -5,6 +5,7 @@ import torch
 from transformers import AutoTokenizer
 
 from miles.engines.torch_engine import TorchEngine
+from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.algorithms.advantages import grpo
 from miles.train.batch import batch_from_table
@@ -24,6 +25,7 @@ def rollout(tiny_model_dir):
 
 
 def _actor(small_config, tiny_model_dir, tmp_path, *overrides):
+    RunDir(tmp_path).create()
     return TrainActor(small_config(*overrides, run_dir=str(tmp_path)), str(tiny_model_dir))
 
 

@@ -1,0 +1,67 @@
+"""The trainer group: train.num_workers TrainActors placed by a Ray placement group, started as one process group."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from miles.cluster import ActorGroup
+from miles.config import RunConfig
+from miles.train.actor import TrainActor
+
+PLACEMENT_TIMEOUT_S = 120.0
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
+
+
+def worker_bundle(config: RunConfig) -> dict[str, float]:
+    """What one worker reserves: a CPU slot (torch.set_num_threads decides the real threads), and on CUDA a whole GPU
+    each, or a sliver of one for a single worker, so that it can share its GPU with an engine."""
+    bundle = {"CPU": 1.0}
+    if config.train.device.startswith("cuda"):
+        bundle["GPU"] = 1.0 if config.train.num_workers > 1 else 0.01
+    return bundle
+
+
+def start_trainer_group(config: RunConfig, model_dir: Path, checkpoint: Path | None) -> ActorGroup:
+    """train.num_workers TrainActors, one per bundle of a placement group (train.placement: pack or spread), from
+    `checkpoint` (else `model_dir`). A group that cannot be placed is refused with what it asked for."""
+    workers = config.train.num_workers
+    bundle = worker_bundle(config)
+    group = placement_group([bundle] * workers, strategy=STRATEGIES[config.train.placement])
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"train.num_workers={workers} ({config.train.placement}): Ray could not place {workers} workers of "
+            f"{bundle} in {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.available_resources()} free"
+        )
+
+    def on_bundle(index: int) -> dict:
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+        return {"scheduling_strategy": strategy, "num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
+
+    rendezvous = None
+    if config.train.sharded:
+        rendezvous = ray.get(ray.remote(free_address).options(**on_bundle(0)).remote())
+    actor = ray.remote(TrainActor)
+    handles = [
+        actor.options(max_concurrency=1, **on_bundle(rank)).remote(
+            config, str(model_dir), str(checkpoint) if checkpoint else None, rank, workers, rendezvous
+        )
+        for rank in range(workers)
+    ]
+    trainers = ActorGroup(handles, release=lambda: remove_placement_group(group))
+    trainers.call("trained_rollouts")  # every worker started (its error, if one failed, is raised here)
+    return trainers
+
+
+def free_address() -> str:
+    """`host:port` free on this node: rank 0's rendezvous for the process group (run on rank 0's bundle)."""
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return f"{host}:{probe.getsockname()[1]}"
