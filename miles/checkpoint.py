@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from miles.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
+# A single unsharded trainer saves and loads without a process group, as torch.distributed.checkpoint allows.
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
 
 STATE_FILE = "state.json"
 CHECKSUMS_FILE = "checksums.json"
@@ -44,8 +47,7 @@ def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dir
             else:
                 scalars[f"{name}/{entry}"] = value
     target = directory / OPTIMIZER_DIR
-    writer = HuggingFaceStorageWriter(str(target), save_distributed=True)
-    dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(target), save_distributed=True))
     if not dist.is_initialized() or dist.get_rank() == 0:
         write_json_atomic(target / OPTIMIZER_META, {"param_groups": state["param_groups"], "scalars": scalars})
 
@@ -64,7 +66,7 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dir
             tensors[key] = torch.zeros_like(parameter, dtype=dtype)
         else:
             tensors[key] = torch.zeros(stored.size, dtype=dtype, device=parameter.device)
-    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(source), no_dist=not dist.is_initialized())
+    dcp.load(tensors, storage_reader=HuggingFaceStorageReader(source))
     state: dict[str, dict[str, Any]] = {}
     for key, value in [*tensors.items(), *meta["scalars"].items()]:
         name, entry = key.rsplit("/", 1)

@@ -74,6 +74,27 @@ def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
     assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0
 
 
+def test_a_killed_trainer_worker_takes_its_group_down_and_the_retry_restarts_the_group(
+    ray_session, prefect_api, small_config, monkeypatch, uninterrupted_weights
+):
+    config = small_config("train.num_workers=2", **RECOVERY_RUN)
+    worker_killed = fault_before(
+        monkeypatch, RLRun, "train", lambda run, i: i == 3, lambda run: freeze_then_kill(run.trainer.handles[1])
+    )
+
+    state = sync_rl(config, return_state=True)
+
+    assert state.is_completed(), state.message
+    assert [i for i, _ in worker_killed] == [3]
+    _, task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+    assert {r.name: r for r in task_runs}["train_step[rollout=3]"].run_count == 2
+    assert sum(r.run_count for r in task_runs) == len(task_runs) + 1  # no other retries
+    assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
+    gap = max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights)
+    print(f"2 workers, one killed, vs 1 worker uninterrupted: {gap:.2e}")
+    assert gap < 1e-5
+
+
 def test_the_sglang_engine_runs_the_flow_and_a_killed_server_is_replaced(
     ray_session, prefect_api, small_config, monkeypatch, uninterrupted_weights
 ):

@@ -114,6 +114,22 @@ def test_iterations_per_run_trains_a_slice_then_the_next_run_resumes(ray_session
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3, 4]
 
 
+def test_a_checkpoint_saved_by_two_workers_resumes_on_one_and_back(small_config, uninterrupted_weights):
+    """Runs of two rollouts each (iterations_per_run) on 2, 1, then 2 trainer workers: each resumes from the previous
+    run's checkpoint, resharded, and the end equals the uninterrupted single-worker run."""
+    for workers in (2, 1, 2):
+        run_sync(small_config("iterations_per_run=2", f"train.num_workers={workers}", **RECOVERY_RUN))
+    run_dir = RunDir(small_config().run_dir)
+    assert sorted(run_dir.ledger().trained) == [0, 1, 2, 3, 4]
+    shards = {i: sorted(p.name for p in (run_dir.checkpoint(i) / "optimizer").glob("*.safetensors")) for i in (1, 3, 4)}
+    assert [len(names) for names in shards.values()] == [2, 1, 2]  # one optimizer shard per worker that saved it
+    checksums = json.loads((run_dir.checkpoint(1) / "checksums.json").read_text())
+    assert all(f"optimizer/{name}" in checksums for name in shards[1])
+    gap = max_abs_diff(final_weights(run_dir.path, 4), uninterrupted_weights)
+    print(f"2 -> 1 -> 2 workers vs 1 uninterrupted: {gap:.2e}")
+    assert gap < 1e-5
+
+
 def _stop_after(config, trained: int, generated: int | None = None) -> None:
     """A run stopped after training rollouts 0..trained (saving when due, as a flow does) and generating `generated`."""
     with RLRun(config) as run:
