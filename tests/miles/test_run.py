@@ -1,6 +1,7 @@
 """The library without Prefect: the plain loop, resume from the run dir, idempotent train."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -212,3 +213,22 @@ def test_samples_whose_reward_fails_are_counted_and_the_run_goes_on(small_config
     assert sorted({row["label"] for row in failed}) == ["nan", "raise"] and all(
         row["raw_reward"] is None for row in failed
     )
+
+
+def test_a_sync_run_on_a_three_node_cluster_spreads_the_trainer_workers(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.two_nodes", str(tiny_model_dir), str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    placed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert placed["cluster_nodes"] == 3 and placed["trained"] == [0, 1]
+    trainer_nodes, engine_nodes = placed["trainer_nodes"], placed["engine_nodes"]
+    assert len(set(trainer_nodes)) == 2  # one worker per node
+    assert not set(engine_nodes) & set(trainer_nodes)  # the engine on the third
+    assert (run_dir / "checkpoints" / "1" / "model" / "model.safetensors").is_file()
