@@ -29,8 +29,8 @@ from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
-from miles.train.group import start_trainer_group
 from miles.train.algorithms import Algorithm
+from miles.train.group import start_trainer_group
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the engine and trainers on CUDA (correctness and throughput), then, where Ray and
-# Prefect are installed, the sync flow for a few iterations with the TorchEngine and trainer on the GPU, and with
-# SGLang serving the rollouts where SGLANG_PYTHON (default .venv-sglang/bin/python, `make install-gpu`) has it.
+# Prefect are installed, the sync flow for a few iterations with the TorchEngine and trainer on the GPU (the trainer
+# unsharded in float32, then FSDP2 in bfloat16, with the trainer-vs-engine log-prob gap), and with SGLang serving the rollouts where SGLANG_PYTHON (default .venv-sglang/bin/python, `make install-gpu`) has it.
 # Under 5 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,11 +26,14 @@ import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])][1:]  # the first rollout pays the warm-up
 tokens = sum(r["samples"] * r["response_length_mean"] for r in rows)
 print(f"{sys.argv[2]} engine in the flow: {tokens / sum(r['time_generate'] for r in rows):,.0f} generated tokens/s, "
-      f"train step {sum(r['time_train'] for r in rows) / len(rows):.3f} s, weight sync {sum(r['time_sync'] for r in rows) / len(rows):.3f} s")
+      f"train step {sum(r['time_train'] for r in rows) / len(rows):.3f} s, weight sync {sum(r['time_sync'] for r in rows) / len(rows):.3f} s, "
+      f"trainer vs engine log-prob gap {sum(r['train_rollout_logprob_abs_diff'] for r in rows) / len(rows):.4f}")
 EOF
 }
 
 flow_run torch
+# The trainer as one FSDP2 worker computing in bfloat16 (NCCL process group of one), the engine in float32.
+flow_run torch --set train.sharding=fsdp --set train.param_dtype=bfloat16
 SGLANG_PYTHON=${SGLANG_PYTHON:-$PWD/.venv-sglang/bin/python}
 if [ -x "$SGLANG_PYTHON" ] && "$SGLANG_PYTHON" -c "import sglang" 2>/dev/null; then
   # The trainer shares the GPU: SGLang takes a part of the memory only.

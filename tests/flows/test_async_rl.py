@@ -70,7 +70,9 @@ def test_async_flow_recovers_from_a_killed_engine_and_a_killed_trainer(
     fault_before(
         monkeypatch, RLRun, "generate", lambda run, i: i == 2, lambda run: freeze_then_kill(run.controller.engines[0])
     )
-    fault_before(monkeypatch, RLRun, "train", lambda run, i: i == 3, lambda run: freeze_then_kill(run.trainer.handles[0]))
+    fault_before(
+        monkeypatch, RLRun, "train", lambda run, i: i == 3, lambda run: freeze_then_kill(run.trainer.handles[0])
+    )
 
     state = async_rl(config, return_state=True)
 

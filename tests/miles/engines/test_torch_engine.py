@@ -3,8 +3,8 @@ import torch
 
 from miles.engines import RolloutEngine
 from miles.engines.torch_engine import TorchEngine
-from miles.train.actor import TrainActor
 from miles.run_dir import RunDir
+from miles.train.actor import TrainActor
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs
 from tests.helpers.samples import make_requests, seeded, training_table

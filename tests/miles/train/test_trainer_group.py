@@ -58,7 +58,9 @@ def _trained(small_config, tiny_model_dir, run_dir, rollout, *overrides):
 )
 def test_two_sharded_workers_equal_one_unsharded(ray_session, small_config, tiny_model_dir, tmp_path, rollout, options):
     single, m_single = _trained(small_config, tiny_model_dir, tmp_path / "one", rollout, *options)
-    sharded, m_sharded = _trained(small_config, tiny_model_dir, tmp_path / "two", rollout, "train.num_workers=2", *options)
+    sharded, m_sharded = _trained(
+        small_config, tiny_model_dir, tmp_path / "two", rollout, "train.num_workers=2", *options
+    )
 
     initial = TorchEngine(str(tiny_model_dir), num_threads=1).model.state_dict()
     assert max_abs_diff(single, {k: initial[k] for k in single}) > 1e-4  # three Adam steps moved the weights
