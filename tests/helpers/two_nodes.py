@@ -11,6 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from miles.config import load_config
+from miles.loop import sync_iteration
 from miles.run import RLRun
 from miles.run_dir import RunDir
 from tests.helpers import small_overrides
@@ -40,11 +41,7 @@ def main(model_dir: str, run_dir: str) -> None:
                 "cluster_nodes": len(ray.nodes()),
             }
             for rollout_id in run.rollout_ids():
-                run.generate(rollout_id)
-                run.train(rollout_id, run.get(rollout_id))
-                run.sync_weights(rollout_id)
-                if run.should_save(rollout_id):
-                    run.save_checkpoint(rollout_id)
+                sync_iteration(run, rollout_id)
                 run.finish_iteration(rollout_id)
         placed["trained"] = sorted(RunDir(run_dir).ledger().trained)
         print(json.dumps(placed))

@@ -132,6 +132,47 @@ def test_micro_batch_must_divide_global_batch():
     assert "train.micro_batch_size" in message
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["train.num_workers=2", "train.sharding=none"],
+            "train.sharding=none runs one worker; num_workers=2 needs fsdp",
+        ),
+        (
+            ["train.param_dtype=bfloat16", "train.sharding=none"],
+            "train.param_dtype=bfloat16 is FSDP2's mixed precision",
+        ),
+        (["train.num_workers=3"], "train.num_workers (3) must divide train.global_batch_size (256)"),
+        (
+            [
+                "rollout.rollout_batch_size=12",
+                "rollout.n_samples_per_prompt=4",
+                "train.num_workers=2",
+                "train.global_batch_size=48",
+                "train.micro_batch_size=16",
+            ],
+            "must divide each worker's share of train.global_batch_size (24 = 48 / train.num_workers)",
+        ),
+    ],
+)
+def test_trainer_parallelism_that_cannot_run_is_named(overrides, expected):
+    assert expected in _message(*overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, sharded",
+    [
+        ([], False),
+        (["train.num_workers=2"], True),
+        (["train.param_dtype=bfloat16"], True),
+        (["train.sharding=fsdp"], True),
+    ],
+)
+def test_sharding_follows_the_workers_and_the_dtype_unless_set(overrides, sharded):
+    assert load_config(None, overrides).train.sharded is sharded
+
+
 def test_data_with_both_task_and_path():
     message = _message("data.path=prompts.jsonl")  # task keeps its default "addition"
     assert "data.task" in message and "data.path" in message

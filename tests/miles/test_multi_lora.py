@@ -49,3 +49,9 @@ def test_each_adapter_gets_its_rows_and_reward(tmp_path):
             ],
         )
         check_adapter_inputs(bad)
+
+
+@pytest.mark.parametrize("overrides", [["train.num_workers=2"], ["train.param_dtype=bfloat16"]])
+def test_the_lora_trainer_refuses_sharding(overrides):
+    with pytest.raises(ConfigError, match="the multi-LoRA trainer is one unsharded float32 worker"):
+        check_adapter_inputs(load_config(None, overrides))

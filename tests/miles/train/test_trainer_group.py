@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 from transformers import AutoTokenizer
 
@@ -83,3 +84,11 @@ def test_bfloat16_compute_keeps_float32_weights_and_reports_the_logprob_gap(
     print(f"bf16 trainer vs fp32 engine: mean |log-prob gap| {metrics['train_rollout_logprob_abs_diff']:.4f}")
     assert 1e-4 < metrics["train_rollout_logprob_abs_diff"] < 0.1
     assert metrics["optimizer_steps"] == 3 and torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+def test_a_worker_that_cannot_see_the_run_directory_fails_at_start_with_why(
+    ray_session, small_config, tiny_model_dir, tmp_path
+):
+    config = small_config(run_dir=str(tmp_path / "not-shared"))
+    with pytest.raises(ray.exceptions.RayActorError, match="the run directory must be on storage that every node sees"):
+        start_trainer_group(config, tiny_model_dir, None)
