@@ -130,7 +130,11 @@ class RLRun:
             return start_trainer_group(self.config, self.initial_model, checkpoint)
 
         def train(trainers: ActorGroup, rollout_id: int, table: pa.Table) -> None:
-            trainers.call("train", rollout_id, table)
+            try:
+                trainers.call("train", rollout_id, table)
+            except BaseException:
+                trainers.kill()  # a group that failed its replay is not handed out: release its resources
+                raise
 
         return self.iterations.restore(start, train)
 

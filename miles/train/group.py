@@ -55,7 +55,11 @@ def start_trainer_group(config: RunConfig, model_dir: Path, checkpoint: Path | N
         for rank in range(workers)
     ]
     trainers = ActorGroup(handles, release=lambda: remove_placement_group(group))
-    trainers.call("trained_rollouts")  # every worker started (its error, if one failed, is raised here)
+    try:
+        trainers.call("trained_rollouts")  # every worker started (its error, if one failed, is raised here)
+    except BaseException:
+        trainers.kill()  # frees the placement group's resources, whatever the group's size
+        raise
     return trainers
 
 

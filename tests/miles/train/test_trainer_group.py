@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -92,3 +94,7 @@ def test_a_worker_that_cannot_see_the_run_directory_fails_at_start_with_why(
     config = small_config(run_dir=str(tmp_path / "not-shared"))
     with pytest.raises(ray.exceptions.RayActorError, match="the run directory must be on storage that every node sees"):
         start_trainer_group(config, tiny_model_dir, None)
+    deadline = time.monotonic() + 30  # Ray reports freed resources a moment later
+    while ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]  # its placement group released
