@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -40,6 +42,19 @@ class GenerateResult:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int
+
+
+def eos_token_ids(tokenizer) -> tuple[int, ...]:
+    """Every end-of-sequence id of the model: the tokenizer's, then those of config.json and generation_config.json
+    in the directory the tokenizer came from (an id or a list in each). SGLang stops on all of them whatever a
+    request asks, so every engine is given all of them as stop ids and both engines stop alike."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for name in ("config.json", "generation_config.json"):
+        path = Path(tokenizer.name_or_path) / name
+        if tokenizer.name_or_path and path.is_file():  # a tokenizer built in memory has no directory
+            found = json.loads(path.read_text()).get("eos_token_id")
+            ids += found if isinstance(found, list) else [found] if found is not None else []
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def check_adapters_loaded(requests: list[GenerateRequest], loaded) -> None:

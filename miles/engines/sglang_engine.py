@@ -182,7 +182,8 @@ class SGLangEngine:
                 f"sglang server at {self.url} answered {len(outputs)} outputs for {len(requests)} requests"
             )
         results = [
-            self._result(request, output["meta_info"]) for request, output in zip(requests, outputs, strict=True)
+            self._result(i, request, output["meta_info"])
+            for i, (request, output) in enumerate(zip(requests, outputs, strict=True))
         ]
         aborted = [i for i, r in enumerate(results) if r.finish_reason == "abort"]
         if aborted:  # nothing here pauses a generation, so an abort is the server's failure; a retry regenerates
@@ -192,8 +193,14 @@ class SGLangEngine:
             )
         return results
 
-    def _result(self, request: GenerateRequest, meta: dict) -> GenerateResult:
+    def _result(self, index: int, request: GenerateRequest, meta: dict) -> GenerateResult:
         pairs = meta["output_token_logprobs"]  # [(logprob, token_id, text or None), ...]
+        missing = [position for position, pair in enumerate(pairs) if pair[0] is None]
+        if missing:  # a sample without its log-probs cannot be trained on; never a crash on float(None)
+            raise ValueError(
+                f"sglang server at {self.url} gave null log-probs for request {index} of the batch (seed "
+                f"{request.seed}, {len(request.prompt_ids)} prompt tokens) at output positions {missing[:5]}"
+            )
         version = self._adapter_versions[request.adapter] if request.adapter else int(meta["weight_version"])
         return GenerateResult(
             output_ids=[int(p[1]) for p in pairs],
@@ -231,8 +238,30 @@ class SGLangEngine:
             raise RuntimeError(
                 f"sglang server at {self.url} failed to load weights version {version}: {answer.get('message')}"
             )
+        self._verify_weights(named_tensors, version)
         self._weight_version = version
         shutil.rmtree(previous, ignore_errors=True)
+
+    def _verify_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """The server holds what was pushed: SGLang reports a load successful even when it skipped tensor names it
+        does not know (a wrong prefix keeps every old weight), so each tensor's first row is read back with
+        `/get_weights_by_name` and compared, within the rounding of a bfloat16 server."""
+        unknown, differ = [], []
+        for name, tensor in named_tensors.items():
+            try:
+                served = self._post("/get_weights_by_name", {"name": name, "truncate_size": 1}).json()
+            except ValueError:  # 400: the server has no parameter of that name
+                unknown.append(name)
+                continue
+            pushed = tensor.detach().to(torch.float32).cpu()[:1]
+            if not torch.allclose(torch.tensor(served, dtype=torch.float32), pushed, rtol=2**-7, atol=1e-6):
+                differ.append(name)
+        if unknown or differ:
+            raise ValueError(
+                f"sglang server at {self.url} reported weights version {version} loaded, but does not hold them: "
+                f"{len(unknown)} tensor names unknown to the server {unknown[:5]}, "
+                f"{len(differ)} tensors that differ from the pushed ones {differ[:5]}"
+            )
 
     def _flush_cache(self) -> None:
         """Requests aborted by the pause may still be leaving; the server answers 400 until they are gone."""

@@ -13,7 +13,7 @@ import torch
 
 from miles.config import RunConfig
 from miles.data import DataSource
-from miles.engines.base import GenerateRequest, SamplingParams
+from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
 from miles.rewards import RewardFn
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.schema import ROLLOUT_SCHEMA, rollout_metadata, samples_table, with_rollout_metadata
@@ -47,7 +47,7 @@ class RolloutExecutor:
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
             max_new_tokens=config.rollout.max_new_tokens,
-            stop_token_ids=(tokenizer.eos_token_id,),
+            stop_token_ids=eos_token_ids(tokenizer),
         )
         self.advantage_estimator = resolve_algorithm("advantage_estimator", config.algo.advantage_estimator)
 
@@ -108,9 +108,9 @@ class RolloutExecutor:
         results = self.controller.generate(requests)
 
         labels = [r["label"] for r in rows for _ in range(n)]
-        eos = self.tokenizer.eos_token_id
+        stops = self.sampling.stop_token_ids
         texts = self.tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
-        finished = [r.finish_reason == "stop" and r.output_ids[-1:] == [eos] for r in results]
+        finished = [r.finish_reason == "stop" and bool(r.output_ids) and r.output_ids[-1] in stops for r in results]
         rewards, failures = self._score(texts, labels, finished)
         if failures:
             index, why = failures[0]

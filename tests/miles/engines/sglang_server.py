@@ -9,12 +9,14 @@ with SGLang's request fields, response JSON and status codes:
   and the string `weight_version`. Without `no_stop_trim`, `output_ids` drop a matched stop token.
 - The refit: `/pause_generation` (requests wait until `/continue_generation`), `/flush_cache` (400 while a
   request runs), `/begin_weight_update` and `/end_weight_update` (a session opened twice, or closed when none is
-  open, is refused), `/update_weights_from_disk` (safetensors files of the model's parameter names).
+  open, is refused), `/update_weights_from_disk` (safetensors files; as in SGLang, a tensor name the model lacks
+  is skipped with a warning and the load still reports success), `/get_weights_by_name`.
 - LoRA (with `--enable-lora`): `/load_lora_adapter` (a name loaded twice is refused), `/unload_lora_adapter`.
 - `/health`, `/health_generate` (a one-token generation), `/model_info`.
 It generates with a TorchEngine, so tokens and log-probs are real, and always honours `sampling_seed` (as
 SGLang does with `--enable-deterministic-inference`). `/test_fault` is its own, not SGLang's: it
-makes every later request answer an HTTP error, as a server whose scheduler crashed does.
+makes every later request answer an HTTP error, as a server whose scheduler crashed does, or (`null_logprobs`)
+every log-prob come back null.
 """
 
 from __future__ import annotations
@@ -41,15 +43,14 @@ SGLANG_DEFAULT_SEED = 42  # the sampling_seed SGLang uses when a request sets no
 
 @torch.no_grad()
 def _load_by_name(model, tensors: dict[str, torch.Tensor]) -> None:
-    """As SGLang's load_weights: each file tensor goes to its parameter; a tied lm_head may be absent from the files."""
+    """As SGLang's load_weights: each file tensor goes to its parameter; a name the model does not have is skipped
+    with a warning and a parameter the files lack keeps its value (the load still succeeds)."""
     parameters = model.state_dict()
-    unknown = sorted(set(tensors) - set(parameters))
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    missing = sorted(set(parameters) - set(tensors) - tied)
-    if unknown or missing:
-        raise ValueError(f"weights do not match the model: unknown {unknown[:3]}, missing {missing[:3]}")
     for name, tensor in tensors.items():
-        parameters[name].copy_(tensor)
+        if name in parameters:
+            parameters[name].copy_(tensor)
+        else:
+            print(f"WARNING: Parameter {name} not found in params_dict; skipped", flush=True)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -76,6 +77,7 @@ class StandInServer:
         self.lora_paths: dict[str, str] = {}
         self.in_weight_update = False
         self.fault_status: int | None = None
+        self.null_logprobs = False  # /test_fault: log-probs come back null, as SGLang may give them
         self.running = 0
         self._paused = False
         self._state = threading.Condition()
@@ -163,7 +165,8 @@ class StandInServer:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [
-                [lp, token, None] for lp, token in zip(result.logprobs, result.output_ids, strict=True)
+                [None if self.null_logprobs else lp, token, None]
+                for lp, token in zip(result.logprobs, result.output_ids, strict=True)
             ]
             meta["input_token_logprobs"] = []
         text = self.tokenizer.decode(output_ids, skip_special_tokens=params.get("skip_special_tokens", True))
@@ -216,6 +219,17 @@ class StandInServer:
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {self.weight_version}."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    def weights_by_name(self, body: dict) -> JSONResponse:
+        """The first `truncate_size` rows of a parameter as float32 lists (SGLang's model.get_weights_by_name)."""
+        parameters = self.engine.model.state_dict()
+        name = body.get("name")
+        if name not in parameters:
+            print(f"ERROR: Error when getting parameter {name}: {name!r}", flush=True)
+            return _error(400, "Get parameter by name failed")
+        with self._engine_lock:
+            rows = parameters[name].detach().to(torch.float32).tolist()
+        return JSONResponse(rows[: body.get("truncate_size", 100)])
 
     def load_lora(self, body: dict) -> JSONResponse:
         name, path = body["lora_name"], body["lora_path"]
@@ -276,6 +290,7 @@ def build_app(server: StandInServer) -> FastAPI:
     @app.post("/test_fault")
     def test_fault(body: dict):
         server.fault_status = body.get("status")
+        server.null_logprobs = body.get("null_logprobs", False)
         return {"success": True}
 
     @app.get("/health")
@@ -337,6 +352,10 @@ def build_app(server: StandInServer) -> FastAPI:
     @app.post("/update_weights_from_disk")
     def update_weights_from_disk(body: dict):
         return server.update_from_disk(body)
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    def get_weights_by_name(body: dict):
+        return server.weights_by_name(body)
 
     @app.post("/load_lora_adapter")
     def load_lora_adapter(body: dict):

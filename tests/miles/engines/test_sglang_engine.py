@@ -115,6 +115,27 @@ def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, ti
     assert [p.name for p in engine._work_dir.glob("weights-*")] == ["weights-4"]  # the previous push is removed
 
 
+def test_a_push_the_server_skips_is_caught_by_reading_the_weights_back(engine, tiny_model_dir):
+    """SGLang skips tensor names it does not know and still reports success: a wrong prefix would keep every old
+    weight. Reading each tensor back names what the server does not hold."""
+    weights = perturbed_weights(tiny_model_dir, 2, 0.05)
+    with pytest.raises(ValueError, match=r"does not hold them: 21 tensor names unknown to the server \['module\.model"):
+        engine.update_weights({f"module.{name}": tensor for name, tensor in weights.items()}, 4)
+    assert engine.weight_version() == 3
+    assert "POST /get_weights_by_name" in _requests_log(engine)
+    engine.update_weights(weights, 4)  # the right names pass the same check
+    assert engine.weight_version() == 4
+
+
+def test_null_logprobs_are_an_error_naming_the_request(engine, tokenizer):
+    httpx.post(f"{engine.url}/test_fault", json={"null_logprobs": True}, trust_env=False).raise_for_status()
+    requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=3), 5)
+    with pytest.raises(
+        ValueError, match=r"null log-probs for request 0 of the batch \(seed 50000, \d+ prompt tokens\)"
+    ):
+        engine.generate(requests)
+
+
 def test_adapters_are_loaded_replaced_and_unloaded(lora_engine, tiny_model_dir, tokenizer, make_lora):
     first, second = make_lora(1), make_lora(2)
     requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=6), 9)

@@ -1,7 +1,12 @@
+import json
+import shutil
+
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from miles.engines import RolloutEngine
+from miles.engines.base import eos_token_ids
 from miles.engines.torch_engine import TorchEngine
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
@@ -73,3 +78,13 @@ def test_update_weights_changes_outputs_and_version(tiny_model_dir, tokenizer):
     vocab = engine.model.config.vocab_size
     assert all(abs(lp + torch.log(torch.tensor(float(vocab))).item()) < 1e-5 for r in after for lp in r.logprobs)
     assert [r.logprobs for r in before] != [r.logprobs for r in after]
+
+
+def test_every_eos_id_of_the_model_files_is_a_stop_id(tiny_model_dir, tmp_path):
+    """As SGLang stops: the tokenizer's EOS, then config.json's and generation_config.json's (an id or a list)."""
+    for path in tiny_model_dir.iterdir():
+        shutil.copy2(path, tmp_path / path.name)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, 7, 5]}))
+    assert eos_token_ids(AutoTokenizer.from_pretrained(tiny_model_dir)) == (2,)
+    assert eos_token_ids(AutoTokenizer.from_pretrained(tmp_path)) == (2, 7, 5)

@@ -33,6 +33,7 @@ def _executor(tmp_path, global_batch_size, *overrides):
 
     class Tok:
         eos_token_id = 2
+        name_or_path = ""  # built in memory: no model files to read more EOS ids from
 
     store = RolloutStore(RunDir(tmp_path).rollouts)
     return RolloutExecutor(
@@ -311,6 +312,7 @@ class _SeedEcho:
 
 class _DigitTokenizer:
     eos_token_id = 2
+    name_or_path = ""  # built in memory: no model files to read more EOS ids from
 
     def __call__(self, prompts):
         return {"input_ids": [[1, int(p)] for p in prompts]}
