@@ -12,17 +12,19 @@ with SGLang's request fields, response JSON and status codes:
   open, is refused), `/update_weights_from_disk` (safetensors files; as in SGLang, a tensor name the model lacks
   is skipped with a warning and the load still reports success), `/get_weights_by_name`.
 - LoRA (with `--enable-lora`): `/load_lora_adapter` (a name loaded twice is refused), `/unload_lora_adapter`.
-- `/health`, `/health_generate` (a one-token generation), `/model_info`.
+- `/health`, `/health_generate` (a one-token generation; 503 while generation is paused or a weight update is
+  open, as SGLang cannot run its probe then), `/model_info`.
 It generates with a TorchEngine, so tokens and log-probs are real, and always honours `sampling_seed` (as
 SGLang does with `--enable-deterministic-inference`). `/test_fault` is its own, not SGLang's: it
-makes every later request answer an HTTP error, as a server whose scheduler crashed does, or (`null_logprobs`)
-every log-prob come back null.
+makes every later request answer an HTTP error, as a server whose scheduler crashed does, every log-prob come
+back null (`null_logprobs`), or the next disk load take the server down (`die_on_load`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 import uuid
@@ -78,6 +80,7 @@ class StandInServer:
         self.in_weight_update = False
         self.fault_status: int | None = None
         self.null_logprobs = False  # /test_fault: log-probs come back null, as SGLang may give them
+        self.die_on_load = False  # /test_fault: the next disk load takes the server down, as a failed one can
         self.running = 0
         self._paused = False
         self._state = threading.Condition()
@@ -173,6 +176,8 @@ class StandInServer:
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
     def health_generate(self) -> Response:
+        if self._paused or self.in_weight_update:  # SGLang cannot run its probe: a healthy server looks dead
+            return Response(status_code=503)
         if self.running:  # busy generating is alive
             return Response(status_code=200)
         probe = GenerateRequest(prompt_ids=[0], sampling=SamplingParams(max_new_tokens=1))
@@ -200,6 +205,9 @@ class StandInServer:
                 },
                 status_code=400,
             )
+        if self.die_on_load:  # SGLang switched its model path before the load failed: the server goes down
+            print("ERROR: Failed to load the weights; the scheduler exits", flush=True)
+            os._exit(1)
         try:
             tensors = {name: t for f in files for name, t in load_file(f).items()}
             with self._engine_lock:
@@ -291,6 +299,7 @@ def build_app(server: StandInServer) -> FastAPI:
     def test_fault(body: dict):
         server.fault_status = body.get("status")
         server.null_logprobs = body.get("null_logprobs", False)
+        server.die_on_load = body.get("die_on_load", False)
         return {"success": True}
 
     @app.get("/health")

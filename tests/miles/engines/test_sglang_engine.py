@@ -112,6 +112,7 @@ def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, ti
         "POST /end_weight_update",
         "POST /continue_generation",
     ]
+    assert "GET /health_generate" not in refit[: refit.index("POST /continue_generation")]  # it would answer 503
     assert [p.name for p in engine._work_dir.glob("weights-*")] == ["weights-4"]  # the previous push is removed
 
 

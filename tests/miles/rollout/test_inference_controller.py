@@ -14,6 +14,7 @@ import ray
 import torch
 
 from miles.config import AdapterConfig, RolloutConfig, load_config
+from miles.engines.torch_engine import TorchEngine
 from miles.rollout.inference_controller import EngineRestarted, InferenceController
 from tests.helpers import perturbed_weights, sglang_overrides
 from tests.helpers.faults import actor_pid, sglang_server_pid
@@ -253,6 +254,33 @@ def test_a_failing_sglang_server_is_restarted(ray_session, tiny_model_dir, token
         with pytest.raises(EngineRestarted, match="answered 500"):
             controller.generate(requests)
         _assert_same_samples(controller.generate(requests), expected)
+    finally:
+        controller.shutdown()
+
+
+def test_a_server_that_dies_loading_weights_is_restarted_and_the_retried_push_lands(
+    ray_session, tiny_model_dir, tokenizer
+):
+    """A failed disk load can take an SGLang server down: an engine death (restart), not a refused request; the
+    sync task's retry pushes again."""
+    rollout = load_config(None, ["rollout.num_threads=1", *sglang_overrides()]).rollout
+    controller = InferenceController(str(tiny_model_dir), 0, rollout)
+    try:
+        url = ray.get(controller.engines[0].__ray_call__.remote(lambda self: self.url))
+        httpx.post(f"{url}/test_fault", json={"die_on_load": True}, trust_env=False).raise_for_status()
+        weights = ray.put(perturbed_weights(tiny_model_dir, 12, 0.02))
+
+        with pytest.raises(
+            EngineRestarted, match=r"update_weights failed .*restarted engines \[0\] with weight version 0"
+        ):
+            controller.update_weights(weights, 1)
+        controller.update_weights(weights, 1)
+
+        assert ray.get(controller.engines[0].weight_version.remote()) == 1
+        reference = TorchEngine(str(tiny_model_dir), num_threads=1)
+        reference.update_weights(ray.get(weights), 1)
+        requests = seeded(make_requests(tokenizer, ["1+2=", "45+67="], max_new_tokens=6), 5)
+        _assert_same_samples(controller.generate(requests), reference.generate(requests))
     finally:
         controller.shutdown()
 
