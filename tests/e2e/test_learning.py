@@ -1,5 +1,5 @@
-"""The learning bar of the embedded default: the full warm-up and RL run, sync (plain loop, the trainer on two
-workers) and async (the flow), and the sync run under other algorithms.
+"""The learning bar of the embedded default: the full warm-up and RL run, sync (the flow, the trainer on two
+workers) and async (the flow), and the sync run (plain loop) under other algorithms.
 
 Bar: sampled reward of the last 20 iterations at least 0.02 above the first 20 (the noise of that difference is
 about 0.005: 20 x 512 samples a side), and greedy accuracy of the final checkpoint on 200 held-out sums no lower
@@ -35,13 +35,15 @@ def model_cache_env(model_cache, monkeypatch):
     monkeypatch.setenv("MILES_CACHE", str(model_cache / "full-warm-up"))
 
 
-def test_sync_default_config_learns_addition_on_two_trainer_workers(ray_session, tmp_path, model_cache_env):
-    """The default run with its trainer sharded over two FSDP2 workers (one torch thread each); one worker makes the
-    same update within float rounding (tests/miles/train/test_trainer_group.py), and learns in the runs below."""
-    from miles.loop import run_sync
+def test_sync_flow_learns_addition_on_two_trainer_workers(ray_session, prefect_api, tmp_path, model_cache_env):
+    """The default run through the sync flow, its trainer sharded over two FSDP2 workers (one torch thread each);
+    one worker makes the same update within float rounding (tests/miles/train/test_trainer_group.py), and learns in
+    the plain-loop runs below. Through the flow, a worker that dies is restarted by the task's retry."""
+    from flows.sync_rl import sync_rl
 
     config = load_config(None, ["train.num_workers=2", "train.num_threads=1"], run_dir=str(tmp_path / "run"))
-    run_sync(config)
+    state = sync_rl(config, return_state=True)
+    assert state.is_completed(), state.message
     _check_learning(config)
 
 
