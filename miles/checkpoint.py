@@ -131,10 +131,15 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
+def staging_path(target: Path) -> Path:
+    """Where checkpoint `target` is written before its rename: the same path for every rank of a trainer group."""
+    return target.parent / f".staging-{target.name}"
+
+
 def staging_dir(target: Path) -> Path:
-    """An empty directory beside checkpoint `target` to write it in; what an attempt that died while writing left
-    there is cleared first (one writer per run)."""
-    staging = target.parent / f".staging-{target.name}"
+    """An empty directory at staging_path(target); what an attempt that died while writing left there is cleared
+    first (one writer per run)."""
+    staging = staging_path(target)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging

@@ -13,7 +13,14 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.checkpoint import MODEL_DIR, commit_checkpoint, load_optimizer, save_optimizer, staging_dir
+from miles.checkpoint import (
+    MODEL_DIR,
+    commit_checkpoint,
+    load_optimizer,
+    save_optimizer,
+    staging_dir,
+    staging_path,
+)
 from miles.config import RunConfig
 from miles.run_dir import RunDir
 from miles.train.sharding import full_state_dict, full_tensor_buckets, shard_model
@@ -124,10 +131,8 @@ class TrainActor:
         target = self.run_dir.checkpoint(rollout_id)
         if target.exists():
             return str(target)
-        staging = target.parent / f".staging-{target.name}"
-        if self.rank == 0:
-            staging = staging_dir(target)
-        self._barrier()
+        staging = staging_dir(target) if self.rank == 0 else staging_path(target)
+        self._barrier()  # the other ranks write into the staging dir rank 0 has just made
         weights = self.weights()
         if self.rank == 0:
             self.model.save_pretrained(staging / MODEL_DIR, state_dict=weights)

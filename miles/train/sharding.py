@@ -66,7 +66,7 @@ def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     return {name: value.detach().to("cpu", copy=True) for name, value in pending}
 
 
-def full_state_dict(model: torch.nn.Module, bucket_bytes: int = 1 << 30) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, bucket_bytes: int) -> dict[str, torch.Tensor]:
     """Every parameter and buffer whole, copied to the CPU; with a sharded model a collective that every rank calls."""
     weights: dict[str, torch.Tensor] = {}
     for bucket in full_tensor_buckets(model, bucket_bytes):
