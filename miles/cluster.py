@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,15 @@ def ensure_ray(address: str | None, actors: int) -> None:
             log_to_driver=True,
             configure_logging=False,
         )
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address as the other nodes reach it, and a port free on it: a rendezvous for a process group
+    (run where its rank 0 runs)."""
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return host, probe.getsockname()[1]
 
 
 def actor_options(device: str = "cpu", gpus: int = 1) -> dict:

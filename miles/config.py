@@ -83,8 +83,10 @@ class SGLangConfig(_Section):
         900.0, gt=0, description="a server not answering /health_generate by then fails to start"
     )
     health_timeout_s: float = Field(20.0, gt=0, description="a /health_generate slower than this marks the server dead")
-    weights_dir: str | None = Field(
-        None, description="where pushed weights are written for /update_weights_from_disk; unset: the system temp dir"
+    deterministic_inference: bool = Field(
+        True,
+        description="launch with --enable-deterministic-inference: SGLang honours each request's sampling_seed only "
+        "then, so a retried rollout samples the same tokens; false: faster kernels, retries resample",
     )
 
 
@@ -109,7 +111,26 @@ class RolloutConfig(_Section):
     max_weight_staleness: int | None = Field(
         None, ge=0, description="get drops groups generated more than this many weight versions behind the trainer"
     )
+    weight_transport: Literal["object_store", "disk", "distributed"] | None = Field(
+        None,
+        description="how pushed weights reach the engines: object_store (torch engines), disk (a model directory "
+        "under the run directory), distributed (a broadcast from the trainer's rank 0); unset: object_store for "
+        "torch, disk for sglang",
+    )
     sglang: SGLangConfig = SGLangConfig()
+
+    @model_validator(mode="after")
+    def _transport(self) -> RolloutConfig:
+        if self.engine == "sglang" and self.weight_transport == "object_store":
+            raise ValueError(
+                "rollout.weight_transport=object_store hands tensors to an engine's own process; an SGLang server "
+                "loads weights from disk or a broadcast: use disk or distributed"
+            )
+        return self
+
+    @property
+    def transport(self) -> str:
+        return self.weight_transport or ("disk" if self.engine == "sglang" else "object_store")
 
 
 class AlgoConfig(_Section):
@@ -337,6 +358,15 @@ class RunConfig(_Section):
             raise ValueError(
                 f"train.micro_batch_size ({self.train.micro_batch_size}) must divide each worker's share of "
                 f"train.global_batch_size ({per_worker} = {self.train.global_batch_size} / train.num_workers)"
+            )
+        if (
+            self.rollout.transport == "distributed"
+            and self.rollout.device.split(":")[0] != self.train.device.split(":")[0]
+        ):
+            raise ValueError(
+                f"rollout.weight_transport=distributed broadcasts from the trainer to the engines over one backend "
+                f"(gloo on CPU, NCCL on CUDA): train.device ({self.train.device}) and rollout.device "
+                f"({self.rollout.device}) must both be cpu or both cuda"
             )
         names = [adapter.name for adapter in self.adapters]
         repeated = sorted({name for name in names if names.count(name) > 1})

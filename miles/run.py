@@ -27,6 +27,7 @@ from miles.resume import ResumePlan
 from miles.rewards import resolve_reward
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
+from miles.rollout.weight_transport import DiskPush, DistributedTransport, ObjectStorePush
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.algorithms import Algorithm
@@ -102,6 +103,14 @@ class RLRun:
             self.iterations = Iterations(inputs, plan, self.controller, tokenizer)
             self.trainer = RestartableActor("trainer", self._restored_trainer)
             started.callback(self.trainer.kill)
+            self._weight_group = DistributedTransport(
+                self.trainer,
+                lambda: self.controller.engines,
+                self.controller.ranks_per_engine,
+                backend="nccl" if config.rollout.device.startswith("cuda") else "gloo",
+                timeout_s=config.rollout.engine_timeout_s,
+                trainer_version=self.trainer.weights_version,
+            )
             self._push_replayed_weights(plan)
             self.reporter = IterationReporter(config.num_rollout, plan.first_rollout_id)
             started.callback(self.reporter.close)
@@ -144,7 +153,20 @@ class RLRun:
             self._push_weights(self.iterations.trainer_version)
 
     def _push_weights(self, version: int) -> None:
-        self.trainer.hand_over(TrainActor.weights, to=lambda weights: self.controller.update_weights(weights, version))
+        """Full weights as `version` to every engine, by rollout.weight_transport; a version they hold is skipped."""
+        if version == self.controller.weight_version():
+            return
+        transport = self.config.rollout.transport
+        if transport == "object_store":
+            self.trainer.hand_over(
+                TrainActor.weights, to=lambda weights: self.controller.update_weights(ObjectStorePush(weights, version))
+            )
+        elif transport == "disk":
+            directory = self.run_dir.engine_weights / str(version)
+            self.trainer.write_weights(str(directory))
+            self.controller.update_weights(DiskPush(directory, version))
+        else:
+            self.controller.update_weights(self._weight_group.push(version))
 
     def rollout_ids(self) -> range:
         return self.iterations.rollout_ids()

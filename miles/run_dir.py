@@ -8,6 +8,7 @@
         rollouts/           rollout_<id>.arrow (RolloutStore)
         checkpoints/<id>/   model or adapter, optimizer, state.json (miles.checkpoint)
         adapters/<name>/    one adapter's own run directory (multi-LoRA)
+        engine_weights/<v>/ the weights last pushed to the engines (rollout.weight_transport: disk)
         reward_curve.png
 
 It imports nothing heavy: the config names adapter directories through it. The files' formats live with their
@@ -44,6 +45,10 @@ class RunDir:
 
     def checkpoint(self, rollout_id: int) -> Path:
         return self.checkpoints / str(rollout_id)
+
+    @property
+    def engine_weights(self) -> Path:
+        return self.path / "engine_weights"
 
     @property
     def rollouts(self) -> Path:

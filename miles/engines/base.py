@@ -8,6 +8,10 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from miles.weight_group import TensorSpec, WeightGroup, first_rows
 
 
 class EngineUnavailable(RuntimeError):
@@ -57,6 +61,25 @@ def eos_token_ids(tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors files."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors files in {directory}")
+    return {name: tensor for path in files for name, tensor in load_file(path).items()}
+
+
+def safetensors_first_rows(directory: Path) -> dict[str, list]:
+    """The first row of every tensor of a model directory's safetensors files, read without loading the rest."""
+    rows = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as tensors:
+            for name in tensors.keys():
+                part = tensors.get_slice(name)
+                rows.update(first_rows({name: part[:1] if part.get_shape() else tensors.get_tensor(name)}))
+    return rows
+
+
 def check_adapters_loaded(requests: list[GenerateRequest], loaded) -> None:
     """Refuse requests that name an adapter not in `loaded`, before any of the batch runs."""
     unknown = sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in loaded})
@@ -66,9 +89,16 @@ def check_adapters_loaded(requests: list[GenerateRequest], loaded) -> None:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
+    """Every engine loads full weights from a model directory and from a weight-update group; the TorchEngine also
+    takes tensors in its own process (`update_weights`, the object-store transport)."""
+
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None: ...
+    def update_weights_from_disk(self, directory: str, version: int) -> None: ...
+
+    def update_weights_from_distributed(
+        self, group: WeightGroup, rank_offset: int, buckets: list[list[TensorSpec]], version: int
+    ) -> dict[str, list | None]: ...
 
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None: ...
 

@@ -2,10 +2,11 @@
 
 The server is `python -m sglang.launch_server` (SGLang 0.5.23), bound to 127.0.0.1 on a free port, run by the
 Python of SGLang's own environment when `rollout.sglang.python` names one. Requests
-carry token ids and come back as token ids with their log-probs, so nothing is re-tokenized. Pushed weights are
-written as safetensors next to the model's config and loaded with `/update_weights_from_disk` inside a paused
-weight-update session; adapters are written as PEFT directories and loaded with `/load_lora_adapter`. Neither
-needs pickle, and both work whatever process or device the trainer runs on.
+carry token ids and come back as token ids with their log-probs, so nothing is re-tokenized. Full weights arrive
+inside a paused weight-update session, from the model directory the trainer wrote (`/update_weights_from_disk`) or
+broadcast by the trainer over a weight-update group (`/update_weights_from_distributed`), and are read back with
+`/get_weights_by_name` (SGLang reports a load successful even when it skipped names it does not know). Adapters are
+written as PEFT directories and loaded with `/load_lora_adapter`. Nothing needs pickle.
 
 A refused connection, a 5xx answer or a timeout raises EngineUnavailable, and `health()` is False once
 `/health_generate` fails: the InferenceController then restarts the engine. SGLang is never imported here.
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -32,7 +34,14 @@ import torch
 from safetensors.torch import save_file
 
 from miles.config import SGLangConfig
-from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult, check_adapters_loaded
+from miles.engines.base import (
+    EngineUnavailable,
+    GenerateRequest,
+    GenerateResult,
+    check_adapters_loaded,
+    safetensors_first_rows,
+)
+from miles.weight_group import TensorSpec, WeightGroup, check_first_rows
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +65,8 @@ class SGLangEngine:
         self.config = config or SGLangConfig()
         self._weight_version = weight_version
         self._adapter_versions: dict[str, int] = {}
-        self._work_dir = Path(tempfile.mkdtemp(prefix="miles-sglang-", dir=config.weights_dir))
+        self._weight_group: str | None = None  # the weight-update group the server is in
+        self._work_dir = Path(tempfile.mkdtemp(prefix="miles-sglang-"))
         self._log_path = self._work_dir / "server.log"
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -90,6 +100,8 @@ class SGLangEngine:
                 "--lora-target-modules",
                 *(lora_target_modules or []),
             ]
+        if config.deterministic_inference:
+            command.append("--enable-deterministic-inference")
         command += config.extra_args
         with open(self._log_path, "ab") as server_log:
             # Its own process group, so shutdown stops the server's workers too; and it dies with this actor, so a
@@ -209,59 +221,93 @@ class SGLangEngine:
             weight_version=version,
         )
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+    def update_weights_from_disk(self, directory: str, version: int) -> None:
+        """Load the model directory the trainer wrote (`/update_weights_from_disk`), then read it back."""
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
-        previous = self._work_dir / f"weights-{self._weight_version}"
-        directory = self._work_dir / f"weights-{version}"
-        _write_model(self.model_dir, named_tensors, directory)
-        # SGLang's refit order; generation resumes whatever happens, and a failed session is closed.
-        self._post("/pause_generation", {"mode": "abort"})
-        try:
-            self._flush_cache()
-            self._post("/begin_weight_update")
-            try:
-                answer = self._post(
+        answer = self._refit(
+            version,
+            lambda: [
+                self._post(
                     "/update_weights_from_disk",
                     {
-                        "model_path": str(directory),
+                        "model_path": directory,
                         "weight_version": str(version),
                         "flush_cache": False,
                         "abort_all_requests": False,
                     },
                 ).json()
+            ],
+        )
+        self._check_answers(answer, version)
+        sent = safetensors_first_rows(Path(directory))
+        check_first_rows(self._read_back(list(sent)), sent, f"sglang server at {self.url}", version)
+        self._weight_version = version
+
+    def update_weights_from_distributed(
+        self, group: WeightGroup, rank_offset: int, buckets: list[list[TensorSpec]], version: int
+    ) -> dict[str, list | None]:
+        """Receive the weights broadcast over the weight-update `group` (`/init_weights_update_group` as
+        `rank_offset` when the group is new; it blocks until the trainer joins), one
+        `/update_weights_from_distributed` per bucket. Returns the first rows the server then holds, for the sender
+        to check (SGLang loads by name and skips names it does not know)."""
+        if self._adapter_versions:
+            raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
+        if self._weight_group != group.group_name:
+            if self._weight_group is not None:
+                self._post("/destroy_weights_update_group", {"group_name": self._weight_group})
+                self._weight_group = None
+            self._check_answers([self._post("/init_weights_update_group", group.request(rank_offset)).json()], version)
+            self._weight_group = group.group_name
+        answers = self._refit(
+            version,
+            lambda: [
+                self._post(
+                    "/update_weights_from_distributed",
+                    {
+                        "names": [name for name, _, _ in specs],
+                        "dtypes": [dtype for _, dtype, _ in specs],
+                        "shapes": [shape for _, _, shape in specs],
+                        "group_name": group.group_name,
+                        "flush_cache": False,
+                        "weight_version": str(version),
+                        "load_format": "flattened_bucket",
+                    },
+                ).json()
+                for specs in buckets
+            ],
+        )
+        self._check_answers(answers, version)
+        self._weight_version = version
+        return self._read_back([name for specs in buckets for name, _, _ in specs])
+
+    def _refit(self, version: int, load: Callable[[], list[dict]]) -> list[dict]:
+        """SGLang's refit order around `load`; generation resumes whatever happens, and a failed session is closed."""
+        self._post("/pause_generation", {"mode": "abort"})
+        try:
+            self._flush_cache()
+            self._post("/begin_weight_update")
+            try:
+                return load()
             finally:
                 self._post("/end_weight_update")
         finally:
             self._post("/continue_generation")
-        if not answer.get("success", False):
-            raise RuntimeError(
-                f"sglang server at {self.url} failed to load weights version {version}: {answer.get('message')}"
-            )
-        self._verify_weights(named_tensors, version)
-        self._weight_version = version
-        shutil.rmtree(previous, ignore_errors=True)
 
-    def _verify_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """The server holds what was pushed: SGLang reports a load successful even when it skipped tensor names it
-        does not know (a wrong prefix keeps every old weight), so each tensor's first row is read back with
-        `/get_weights_by_name` and compared, within the rounding of a bfloat16 server."""
-        unknown, differ = [], []
-        for name, tensor in named_tensors.items():
+    def _check_answers(self, answers: list[dict], version: int) -> None:
+        failed = [answer.get("message") for answer in answers if not answer.get("success", False)]
+        if failed:
+            raise RuntimeError(f"sglang server at {self.url} failed to load weights version {version}: {failed[0]}")
+
+    def _read_back(self, names: list[str]) -> dict[str, list | None]:
+        """Each tensor's first row as the server holds it (`/get_weights_by_name`); None for a name it does not have."""
+        rows: dict[str, list | None] = {}
+        for name in names:
             try:
-                served = self._post("/get_weights_by_name", {"name": name, "truncate_size": 1}).json()
+                rows[name] = self._post("/get_weights_by_name", {"name": name, "truncate_size": 1}).json()
             except ValueError:  # 400: the server has no parameter of that name
-                unknown.append(name)
-                continue
-            pushed = tensor.detach().to(torch.float32).cpu()[:1]
-            if not torch.allclose(torch.tensor(served, dtype=torch.float32), pushed, rtol=2**-7, atol=1e-6):
-                differ.append(name)
-        if unknown or differ:
-            raise ValueError(
-                f"sglang server at {self.url} reported weights version {version} loaded, but does not hold them: "
-                f"{len(unknown)} tensor names unknown to the server {unknown[:5]}, "
-                f"{len(differ)} tensors that differ from the pushed ones {differ[:5]}"
-            )
+                rows[name] = None
+        return rows
 
     def _flush_cache(self) -> None:
         """Requests aborted by the pause may still be leaving; the server answers 400 until they are gone."""
@@ -317,19 +363,6 @@ def _sampling_params(request: GenerateRequest) -> dict:
         "skip_special_tokens": False,
         "sampling_seed": request.seed,
     }
-
-
-def _write_model(model_dir: Path, named_tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """A model directory SGLang loads: the model's config and tokenizer files, and the weights as safetensors."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for path in model_dir.iterdir():
-        if (
-            path.is_file()
-            and not path.name.endswith((".safetensors", ".bin", ".pt"))
-            and path.name != "model.safetensors.index.json"
-        ):
-            shutil.copy2(path, directory / path.name)
-    save_file(_unshared(named_tensors), directory / "model.safetensors", metadata={"format": "pt"})
 
 
 def _unshared(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,12 +6,16 @@ requests of several adapters (and of the base), each row running through its own
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from miles.engines.base import GenerateRequest, GenerateResult, check_adapters_loaded
+from miles.engines.base import GenerateRequest, GenerateResult, check_adapters_loaded, read_safetensors
 from miles.train.lora import is_adapter_key
+from miles.weight_group import TensorSpec, WeightGroup, first_rows, join, leave, receive_bucket
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 _MASK32 = 0xFFFFFFFF
@@ -26,6 +30,7 @@ class TorchEngine:
         self.pad_token_id = self.model.config.pad_token_id or 0
         self._weight_version = weight_version
         self._adapter_versions: dict[str, int] = {}
+        self._weight_update: tuple[str, dist.ProcessGroup] | None = None  # (name, group) of the weight-update group
 
     def weight_version(self) -> int:
         return self._weight_version
@@ -74,6 +79,38 @@ class TorchEngine:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
         self.model.load_state_dict(named_tensors, strict=True)
         self._weight_version = version
+
+    def update_weights_from_disk(self, directory: str, version: int) -> None:
+        """Load the weights of a model directory (its safetensors files) written by the trainer."""
+        self.update_weights(read_safetensors(Path(directory)), version)
+
+    @torch.inference_mode()
+    def update_weights_from_distributed(
+        self, group: WeightGroup, rank_offset: int, buckets: list[list[TensorSpec]], version: int
+    ) -> dict[str, list | None]:
+        """Receive the weights broadcast over the weight-update `group` (joined as `rank_offset` when new), bucket
+        by bucket, into the model. Returns the first row of each received tensor as the model now holds it (None
+        for a name the model does not have), for the sender to check."""
+        if self._adapter_versions:
+            raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
+        process_group = self._join(group, rank_offset)
+        parameters = self.model.state_dict()
+        for specs in buckets:  # every bucket is received, whatever it holds, so the broadcast stays in step
+            for name, tensor in receive_bucket(process_group, specs, self.device).items():
+                if name in parameters:
+                    parameters[name].copy_(tensor)
+        self._weight_version = version
+        names = [name for specs in buckets for name, _, _ in specs]
+        held = first_rows({name: parameters[name] for name in names if name in parameters})
+        return {name: held.get(name) for name in names}
+
+    def _join(self, group: WeightGroup, rank: int) -> dist.ProcessGroup:
+        if self._weight_update is None or self._weight_update[0] != group.group_name:
+            if self._weight_update is not None:
+                leave(self._weight_update[1])
+            self._weight_update = None  # a failed join leaves none behind
+            self._weight_update = (group.group_name, join(group, rank))
+        return self._weight_update[1]
 
     def _adapter_kwargs(self, requests: list[GenerateRequest]) -> dict:
         check_adapters_loaded(requests, self._adapter_versions)

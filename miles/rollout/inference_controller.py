@@ -25,6 +25,7 @@ from miles.config import AdapterConfig, RolloutConfig
 from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult, RolloutEngine, check_adapters_loaded
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
+from miles.rollout.weight_transport import WeightPush
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class InferenceController:
                     lora_target_modules=sorted({m for a in adapters for m in a.target_modules}),
                 )
             self._engine_options = actor_options(rollout.device, gpus=rollout.sglang.tp_size)
+            self.ranks_per_engine = rollout.sglang.tp_size
         else:
             self._engine_class = TorchEngine
             self._engine_args = dict(
@@ -70,9 +72,10 @@ class InferenceController:
                 num_threads=rollout.num_threads,
             )
             self._engine_options = actor_options(rollout.device)
+            self.ranks_per_engine = 1
         self.timeout_s = rollout.engine_timeout_s
         self._weight_version = weight_version
-        self._weights_ref: ray.ObjectRef | None = None  # the last full-weight push, for engines restarted after it
+        self._push: WeightPush | None = None  # the last full-weight push, for engines restarted after it
         self._adapters: dict[str, tuple[ray.ObjectRef, dict, int]] = {}  # name -> (tensors, PEFT config, version)
         self._pending: list[_Call] = []
         self._pending_lock = threading.Lock()
@@ -122,15 +125,22 @@ class InferenceController:
     def _on_every_engine(self, method: Callable, *args) -> list:
         return self._on_engines(method, dict.fromkeys(range(len(self.engines)), args))
 
-    def _on_engines(self, method: Callable, args_by_engine: dict[int, tuple]) -> list:
+    def _on_engines(self, method: Callable | str, args_by_engine: dict[int, tuple], alongside=None) -> list:
         """Run `engines[i].<method>(*args)` for each `i: args` and return the results in order; `method` is the
-        RolloutEngine method (e.g. `RolloutEngine.generate`).
+        RolloutEngine method (e.g. `RolloutEngine.generate`) or its name. `alongside()` runs here while the engines'
+        calls are in flight (the sender of a weight broadcast).
 
         When an engine died or gave no answer within timeout_s, the dead and hung engines are restarted and
         EngineRestarted is raised; any other error (a rejected request, a failed argument) is raised as it is.
         """
-        what = method.__name__
+        what = method if isinstance(method, str) else method.__name__
         refs = {i: getattr(self.engines[i], what).remote(*args) for i, args in args_by_engine.items()}
+        try:
+            if alongside is not None:
+                alongside()
+        except BaseException:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)  # the engines' side ends
+            raise
         _, not_ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
         hung = {i for i, ref in refs.items() if ref in not_ready}
         cause = None
@@ -164,24 +174,36 @@ class InferenceController:
                 self.engines[i] = self._start_engine()
                 restarted.append(i)
         # A fresh engine holds the weights it was started from: give it the current weights and adapters.
+        if restarted and self._push is not None:
+            push, targets = self._push.refill(restarted, len(self.engines))
+            refs = {i: getattr(self.engines[i], push.method).remote(*push.engine_args(i)) for i in targets}
+            try:
+                push.send()
+            finally:
+                results = dict(zip(refs, ray.get(list(refs.values())), strict=True))
+            push.check(results)
+            self._push, self._weight_version = push, push.version
         for i in restarted:
-            engine = self.engines[i]
-            if self._weights_ref is not None:
-                ray.get(engine.update_weights.remote(self._weights_ref, self._weight_version))
             for name, (tensors_ref, config, version) in self._adapters.items():
-                ray.get(engine.load_adapter.remote(name, tensors_ref, config, version))
+                ray.get(self.engines[i].load_adapter.remote(name, tensors_ref, config, version))
         return restarted
 
     def adapter_versions(self) -> dict[str, int]:
         return {name: version for name, (_, _, version) in self._adapters.items()}
 
-    def update_weights(self, weights_ref: ray.ObjectRef, version: int) -> None:
-        """Push full weights to every engine as `version` (a push of the version they hold is skipped)."""
-        if version == self._weight_version:
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def update_weights(self, push: WeightPush) -> None:
+        """Push full weights to every engine as `push.version` (a push of the version they hold is skipped)."""
+        if push.version == self._weight_version:
             return
         with self._engines_busy:
-            self._on_every_engine(RolloutEngine.update_weights, weights_ref, version)
-            self._weights_ref, self._weight_version = weights_ref, version
+            engines = range(len(self.engines))
+            results = self._on_engines(push.method, {i: push.engine_args(i) for i in engines}, alongside=push.send)
+            push.check(dict(zip(engines, results, strict=True)))
+            self._push, self._weight_version = push, push.version
+        push.landed()
 
     def load_adapter(self, name: str, tensors_ref: ray.ObjectRef, config: dict, version: int) -> None:
         """Load or replace LoRA adapter `name` on every engine as `version`; the other adapters are untouched,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import timedelta
 from functools import partial
@@ -11,6 +12,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles.checkpoint import (
@@ -21,10 +23,12 @@ from miles.checkpoint import (
     staging_dir,
     staging_path,
 )
+from miles.cluster import free_address
 from miles.config import RunConfig
 from miles.run_dir import RunDir
-from miles.train.sharding import full_state_dict, full_tensor_buckets, shard_model
+from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, shard_model
 from miles.train.update import batch_logprobs, train_on_rollout
+from miles.weight_group import TensorSpec, WeightGroup, first_rows, join, leave, send_bucket
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,7 @@ class TrainActor:
             self.ref_model = self._load(Path(model_dir)).eval()
             self.ref_model.requires_grad_(False)
         self.ledger = self.run_dir.ledger()
+        self._weight_update: tuple[str, dist.ProcessGroup] | None = None  # rank 0: (name, group) it broadcasts over
 
     def _load(self, source: Path) -> torch.nn.Module:
         train = self.config.train
@@ -92,6 +97,10 @@ class TrainActor:
 
     def trained_rollouts(self) -> list[int]:
         return sorted(self.ledger.trained)
+
+    def weights_version(self) -> int:
+        """The version of the weights held: rollout_id + 1 after training rollout_id."""
+        return max(self.ledger.trained, default=-1) + 1
 
     def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
         """Run this rollout's optimizer steps once; a second call for the same rollout_id only returns its metrics."""
@@ -116,14 +125,94 @@ class TrainActor:
             self.ledger.trained[rollout_id] = metrics
         return metrics
 
+    @property
+    def _bucket_bytes(self) -> int:
+        return int(self.config.train.weight_bucket_mb * 2**20)
+
     def weights(self) -> dict[str, torch.Tensor] | None:
         """The full weights on rank 0, gathered train.weight_bucket_mb at a time; None on the other ranks."""
-        bucket_bytes = int(self.config.train.weight_bucket_mb * 2**20)
         if self.rank == 0:
-            return full_state_dict(self.model, bucket_bytes)
-        for _ in full_tensor_buckets(self.model, bucket_bytes):
+            return full_state_dict(self.model, self._bucket_bytes)
+        for _ in full_tensor_buckets(self.model, self._bucket_bytes):
             pass  # this rank's part of each gather
         return None
+
+    def free_address(self) -> tuple[str, int]:
+        """An address on this rank's node for a process group this rank is rank 0 of (the weight-update group)."""
+        return free_address()
+
+    def weight_bucket_specs(self) -> list[list[TensorSpec]]:
+        """What `broadcast_weights` sends, bucket by bucket: (name, dtype, shape) of each tensor."""
+        return bucket_specs(self.model, self._bucket_bytes)
+
+    def broadcast_weights(self, group: WeightGroup) -> dict[str, Any]:
+        """Rank 0 broadcasts the full weights over the weight-update `group` (joining it first if it is new), a
+        bucket at a time as `weight_bucket_specs` lists them; every rank takes part in each bucket's gathers.
+
+        Returns rank 0's `{"first_rows": ...}` of every tensor sent, to check the engines against; or `{"error": ...}`
+        when the group failed (a peer died): rank 0 then still takes its part in the remaining gathers, so that the
+        trainer group stays whole, and leaves the broken group."""
+        sending = self.rank == 0
+        rows: dict[str, list] = {}
+        error = None
+        try:
+            process_group = self._weight_group(group) if sending else None
+        except RuntimeError as exc:
+            error = exc
+        for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device):
+            if not sending:
+                continue  # this rank's part of each gather
+            rows.update(first_rows(bucket))
+            if error is None:
+                try:
+                    send_bucket(process_group, list(bucket.values()))
+                except RuntimeError as exc:
+                    error = exc
+        if error is not None:
+            self._leave_weight_group()
+            return {"error": f"broadcast over weight-update group {group.group_name} failed: {error}"}
+        return {"first_rows": rows}
+
+    def _weight_group(self, group: WeightGroup) -> dist.ProcessGroup:
+        if self._weight_update is None or self._weight_update[0] != group.group_name:
+            self._leave_weight_group()
+            self._weight_update = (group.group_name, join(group, rank=0))
+        return self._weight_update[1]
+
+    def _leave_weight_group(self) -> None:
+        if self._weight_update is not None:
+            leave(self._weight_update[1])
+            self._weight_update = None
+
+    def write_weights(self, directory: str) -> str:
+        """Write the full weights as a Hugging Face model directory an engine loads (rank 0; every rank gathers):
+        a safetensors file per bucket, their index, the config and the tokenizer. A directory already there is kept,
+        so a retried push never rewrites files an engine may be reading."""
+        target = Path(directory)
+        if target.exists():
+            return directory
+        staging = staging_path(target)
+        specs = self.weight_bucket_specs()
+        weight_map: dict[str, str] = {}
+        for index, bucket in enumerate(full_tensor_buckets(self.model, self._bucket_bytes)):
+            if self.rank != 0:
+                continue
+            staging.mkdir(parents=True, exist_ok=True)
+            name = f"model-{index + 1:05d}-of-{len(specs):05d}.safetensors"
+            save_file(bucket, staging / name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(bucket, name))
+        if self.rank == 0:
+            total = sum(
+                torch.Size(shape).numel() * getattr(torch, dtype).itemsize for b in specs for _, dtype, shape in b
+            )
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            self.model.config.save_pretrained(staging)
+            if self.model.generation_config is not None:
+                self.model.generation_config.save_pretrained(staging)
+            self.tokenizer.save_pretrained(staging)
+            staging.rename(target)
+        return directory
 
     def save_checkpoint(self, rollout_id: int, state: dict[str, Any]) -> str:
         """Write the run's checkpoint of `rollout_id`: the model in HF format (full weights, written by rank 0), the

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from miles.cluster import ActorGroup
+from miles.cluster import ActorGroup, free_address
 from miles.config import RunConfig
 from miles.train.actor import TrainActor
 
@@ -46,7 +45,8 @@ def start_trainer_group(config: RunConfig, model_dir: Path, checkpoint: Path | N
 
     rendezvous = None
     if config.train.sharded:
-        rendezvous = ray.get(ray.remote(free_address).options(**on_bundle(0)).remote())
+        host, port = ray.get(ray.remote(free_address).options(**on_bundle(0)).remote())
+        rendezvous = f"{host}:{port}"
     actor = ray.remote(TrainActor)
     handles = [
         actor.options(max_concurrency=1, **on_bundle(rank)).remote(
@@ -61,11 +61,3 @@ def start_trainer_group(config: RunConfig, model_dir: Path, checkpoint: Path | N
         trainers.kill()  # frees the placement group's resources, whatever the group's size
         raise
     return trainers
-
-
-def free_address() -> str:
-    """`host:port` free on this node: rank 0's rendezvous for the process group (run on rank 0's bundle)."""
-    host = ray.util.get_node_ip_address()
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return f"{host}:{probe.getsockname()[1]}"

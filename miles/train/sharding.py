@@ -10,6 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
+from miles.weight_group import TensorSpec, tensor_specs
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -36,24 +38,36 @@ def shard_model(model: torch.nn.Module, device_type: str = "cpu", param_dtype: s
     return model
 
 
-def full_tensor_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The model's parameters and buffers whole, on the CPU, a bucket of at most `bucket_bytes` at a time (a tensor
+def full_tensor_buckets(
+    model: torch.nn.Module, bucket_bytes: int, device: torch.device | str = "cpu"
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's parameters and buffers whole, on `device`, a bucket of at most `bucket_bytes` at a time (a tensor
     larger than that is a bucket of its own). A bucket's gathers run together; only one bucket of full tensors is on
-    the device at once. With a sharded model every rank must iterate: each gather is a collective."""
+    the model's device at once. With a sharded model every rank must iterate: each gather is a collective."""
+    for bucket in _buckets(model, bucket_bytes):
+        yield _gathered(bucket, device)
+
+
+def bucket_specs(model: torch.nn.Module, bucket_bytes: int) -> list[list[TensorSpec]]:
+    """(name, dtype, full shape) of the tensors of each bucket `full_tensor_buckets` yields, without gathering."""
+    return [tensor_specs(dict(bucket)) for bucket in _buckets(model, bucket_bytes)]
+
+
+def _buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, value in model.state_dict().items():
         nbytes = value.numel() * value.element_size()  # a DTensor's numel is the full tensor's
         if bucket and size + nbytes > bucket_bytes:
-            yield _gathered(bucket)
+            yield bucket
             bucket, size = [], 0
         bucket.append((name, value))
         size += nbytes
     if bucket:
-        yield _gathered(bucket)
+        yield bucket
 
 
-def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _gathered(bucket: list[tuple[str, torch.Tensor]], device: torch.device | str) -> dict[str, torch.Tensor]:
     pending = [
         (
             name,
@@ -63,7 +77,7 @@ def _gathered(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]
         )
         for name, value in bucket
     ]
-    return {name: value.detach().to("cpu", copy=True) for name, value in pending}
+    return {name: value.detach().to(device, copy=True) for name, value in pending}
 
 
 def full_state_dict(model: torch.nn.Module, bucket_bytes: int) -> dict[str, torch.Tensor]:

@@ -65,3 +65,31 @@ def final_weights(run_dir, rollout_id: int) -> dict:
 def max_abs_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def weights_directory(model_dir, weights: dict, directory) -> Path:
+    """A model directory an engine loads pushed weights from: `model_dir`'s config and tokenizer files, `weights`
+    as safetensors (what the trainer's `write_weights` makes for the disk transport)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in Path(model_dir).iterdir():
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name != "model.safetensors.index.json":
+            shutil.copy2(path, directory / path.name)
+    save_file({k: v.contiguous() for k, v in weights.items()}, directory / "model.safetensors")
+    return directory
+
+
+def weights_push(rollout, model_dir, weights: dict, version: int, directory):
+    """The push a controller of `rollout`'s engine takes: tensors through the object store for a TorchEngine, a
+    model directory (under `directory`, one per version) for SGLang."""
+    import ray
+
+    from miles.rollout.weight_transport import DiskPush, ObjectStorePush
+
+    if rollout.transport == "disk":
+        return DiskPush(weights_directory(model_dir, weights, Path(directory) / str(version)), version)
+    return ObjectStorePush(ray.put(weights), version)

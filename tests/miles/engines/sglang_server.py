@@ -11,13 +11,18 @@ with SGLang's request fields, response JSON and status codes:
   request runs), `/begin_weight_update` and `/end_weight_update` (a session opened twice, or closed when none is
   open, is refused), `/update_weights_from_disk` (safetensors files; as in SGLang, a tensor name the model lacks
   is skipped with a warning and the load still reports success), `/get_weights_by_name`.
+- The distributed refit: `/init_weights_update_group` joins a real gloo group at `rank_offset` (blocking until every
+  rank has joined), `/update_weights_from_distributed` (refused outside a weight-update session) receives rank 0's
+  broadcast, per tensor or as one flattened bucket, and loads it by name as a disk load does;
+  `/destroy_weights_update_group`.
+- `/pause_generation` in mode `abort` (the default) ends the requests running then with finish reason `abort`.
 - LoRA (with `--enable-lora`): `/load_lora_adapter` (a name loaded twice is refused), `/unload_lora_adapter`.
 - `/health`, `/health_generate` (a one-token generation; 503 while generation is paused or a weight update is
   open, as SGLang cannot run its probe then), `/model_info`.
-It generates with a TorchEngine, so tokens and log-probs are real, and always honours `sampling_seed` (as
-SGLang does with `--enable-deterministic-inference`). `/test_fault` is its own, not SGLang's: it
-makes every later request answer an HTTP error, as a server whose scheduler crashed does, every log-prob come
-back null (`null_logprobs`), or the next disk load take the server down (`die_on_load`).
+It generates with a TorchEngine, so tokens and log-probs are real; as SGLang, it honours `sampling_seed` only with
+`--enable-deterministic-inference`. `/test_fault` is its own, not SGLang's: it makes every later request answer an
+HTTP error, as a server whose scheduler crashed does, every log-prob come back null (`null_logprobs`), or the next
+disk or distributed load take the server down (`die_on_load`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from transformers import AutoTokenizer
 
 from miles.engines import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
+from miles.weight_group import WeightGroup, join, leave, receive_bucket
 
 SGLANG_DEFAULT_SEED = 42  # the sampling_seed SGLang uses when a request sets none
 
@@ -80,23 +86,28 @@ class StandInServer:
         self.in_weight_update = False
         self.fault_status: int | None = None
         self.null_logprobs = False  # /test_fault: log-probs come back null, as SGLang may give them
-        self.die_on_load = False  # /test_fault: the next disk load takes the server down, as a failed one can
+        self.die_on_load = False  # /test_fault: the next weight load takes the server down, as a failed one can
         self.running = 0
+        self.abort_epoch = 0
+        self.weight_groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._paused = False
         self._state = threading.Condition()
         self._engine_lock = threading.Lock()
 
-    def _run(self, requests: list[GenerateRequest]):
+    def _run(self, requests: list[GenerateRequest]) -> tuple[list, bool]:
+        """The results, and whether a pause in `abort` mode came while they ran (SGLang then aborts them)."""
         with self._state:
             while self._paused:
                 self._state.wait()
             self.running += 1
+            epoch = self.abort_epoch
         try:
             with self._engine_lock:
-                return self.engine.generate(requests)
+                results = self.engine.generate(requests)
         finally:
             with self._state:
                 self.running -= 1
+        return results, epoch != self.abort_epoch
 
     def generate(self, body: dict) -> JSONResponse:
         ids = body.get("input_ids")
@@ -139,19 +150,26 @@ class StandInServer:
                     prompt_ids=list(prompt),
                     sampling=sampling,
                     adapter=adapter,
-                    seed=p.get("sampling_seed", SGLANG_DEFAULT_SEED),
+                    seed=p.get("sampling_seed", SGLANG_DEFAULT_SEED)
+                    if self.args.enable_deterministic_inference
+                    else int.from_bytes(os.urandom(4), "little"),  # without it SGLang's sampling is not seeded
                 )
             )
         started = time.perf_counter()
-        results = self._run(requests)
+        results, aborted = self._run(requests)
         outputs = [
-            self._output(r, q, p, body.get("return_logprob", False), started)
+            self._output(r, q, p, body.get("return_logprob", False), started, aborted)
             for r, q, p in zip(results, requests, params, strict=True)
         ]
         return JSONResponse(outputs[0] if single else outputs)
 
-    def _output(self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float) -> dict:
-        if result.finish_reason == "stop":
+    def _output(
+        self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float, aborted: bool
+    ) -> dict:
+        if aborted:
+            finish = {"type": "abort", "message": "Abort in running batch.", "status_code": 503}
+            output_ids = result.output_ids
+        elif result.finish_reason == "stop":
             finish = {"type": "stop", "matched": result.output_ids[-1]}
             output_ids = result.output_ids if params.get("no_stop_trim", False) else result.output_ids[:-1]
         else:
@@ -185,9 +203,11 @@ class StandInServer:
             self.engine.generate([probe])
         return Response(status_code=200)
 
-    def pause(self) -> None:
+    def pause(self, mode: str) -> None:
         with self._state:
             self._paused = True
+            if mode == "abort":  # in-flight requests end as aborted; new ones wait for /continue_generation
+                self.abort_epoch += 1
 
     def resume(self) -> None:
         with self._state:
@@ -227,6 +247,63 @@ class StandInServer:
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {self.weight_version}."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    def init_weights_group(self, body: dict) -> JSONResponse:
+        group = WeightGroup(
+            master_address=body["master_address"],
+            master_port=body["master_port"],
+            world_size=body["world_size"],
+            group_name=body.get("group_name", "weight_update_group"),
+            backend=body.get("backend", "nccl"),
+            timeout_s=600.0,
+        )
+        try:
+            self.weight_groups[group.group_name] = join(group, rank=body["rank_offset"])
+        except Exception as exc:  # noqa: BLE001 - SGLang answers a failed init
+            message = f"Failed to initialize custom process group: {exc}."
+            return JSONResponse({"success": False, "message": message}, status_code=400)
+        return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    def update_from_distributed(self, body: dict) -> JSONResponse:
+        if not self.in_weight_update:
+            message = "no weight-update session is open; call begin_weight_update() first"
+            return JSONResponse({"success": False, "message": message}, status_code=400)
+        group_name = body.get("group_name", "weight_update_group")
+        if group_name not in self.weight_groups:
+            message = (
+                f"Group {group_name} not in {list(self.weight_groups)}. Please call `init_weights_update_group` first."
+            )
+            return JSONResponse({"success": False, "message": message}, status_code=400)
+        if self.die_on_load:
+            print("ERROR: the scheduler died receiving weights", flush=True)
+            os._exit(1)
+        specs = list(zip(body["names"], body["dtypes"], body["shapes"], strict=True))
+        try:
+            if body.get("load_format") == "flattened_bucket":
+                tensors = receive_bucket(self.weight_groups[group_name], specs, torch.device("cpu"))
+            else:
+                tensors = {}
+                for name, dtype, shape in specs:
+                    tensors[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                    torch.distributed.broadcast(tensors[name], group=self.weight_groups[group_name], group_src=0)
+            with self._engine_lock:
+                _load_by_name(self.engine.model, tensors)
+        except Exception as exc:  # noqa: BLE001 - SGLang answers a failed update
+            message = (
+                f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are partially "
+                "updated. Please discard the whole weights."
+            )
+            return JSONResponse({"success": False, "message": message}, status_code=400)
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    def destroy_weights_group(self, body: dict) -> JSONResponse:
+        group = self.weight_groups.pop(body.get("group_name", "weight_update_group"), None)
+        if group is None:
+            return JSONResponse({"success": False, "message": "Group not found."}, status_code=400)
+        leave(group)
+        return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
 
     def weights_by_name(self, body: dict) -> JSONResponse:
         """The first `truncate_size` rows of a parameter as float32 lists (SGLang's model.get_weights_by_name)."""
@@ -334,7 +411,7 @@ def build_app(server: StandInServer) -> FastAPI:
 
     @app.post("/pause_generation")
     def pause_generation(body: dict):
-        server.pause()
+        server.pause(body.get("mode", "abort"))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
@@ -361,6 +438,18 @@ def build_app(server: StandInServer) -> FastAPI:
     @app.post("/update_weights_from_disk")
     def update_weights_from_disk(body: dict):
         return server.update_from_disk(body)
+
+    @app.post("/init_weights_update_group")
+    def init_weights_update_group(body: dict):
+        return server.init_weights_group(body)
+
+    @app.post("/update_weights_from_distributed")
+    def update_weights_from_distributed(body: dict):
+        return server.update_from_distributed(body)
+
+    @app.post("/destroy_weights_update_group")
+    def destroy_weights_update_group(body: dict):
+        return server.destroy_weights_group(body)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     def get_weights_by_name(body: dict):
@@ -390,6 +479,7 @@ def main() -> None:
     parser.add_argument("--max-lora-rank", type=int)
     parser.add_argument("--lora-target-modules", nargs="+")
     parser.add_argument("--max-loras-per-batch", type=int, default=8)
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     server = StandInServer(args)

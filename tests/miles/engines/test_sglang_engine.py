@@ -23,7 +23,7 @@ from miles.config import SGLangConfig
 from miles.engines import EngineUnavailable, RolloutEngine
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
-from tests.helpers import SGLANG_STAND_IN, perturbed_weights
+from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory
 from tests.helpers.faults import sglang_server_pid
 from tests.helpers.samples import ADAPTER_PROMPTS, make_requests, seeded, with_adapter
 
@@ -89,13 +89,13 @@ def test_samples_equal_the_torch_engine(lora_engine, tiny_model_dir, tokenizer):
             assert result.output_ids[-1] in request.sampling.stop_token_ids
 
 
-def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, tiny_model_dir, tokenizer):
+def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, tiny_model_dir, tokenizer, tmp_path):
     weights = perturbed_weights(tiny_model_dir, 1, 0.05)
     requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=6), 3)
     reference = TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
     before = engine.generate(requests)
 
-    engine.update_weights(weights, 4)
+    engine.update_weights_from_disk(str(weights_directory(tiny_model_dir, weights, tmp_path / "4")), 4)
 
     reference.update_weights(weights, 4)
     after = engine.generate(requests)
@@ -113,19 +113,19 @@ def test_a_weight_push_runs_the_refit_session_and_changes_the_samples(engine, ti
         "POST /continue_generation",
     ]
     assert "GET /health_generate" not in refit[: refit.index("POST /continue_generation")]  # it would answer 503
-    assert [p.name for p in engine._work_dir.glob("weights-*")] == ["weights-4"]  # the previous push is removed
 
 
-def test_a_push_the_server_skips_is_caught_by_reading_the_weights_back(engine, tiny_model_dir):
+def test_a_push_the_server_skips_is_caught_by_reading_the_weights_back(engine, tiny_model_dir, tmp_path):
     """SGLang skips tensor names it does not know and still reports success: a wrong prefix would keep every old
     weight. Reading each tensor back names what the server does not hold."""
     weights = perturbed_weights(tiny_model_dir, 2, 0.05)
-    with pytest.raises(ValueError, match=r"does not hold them: 21 tensor names unknown to the server \['module\.model"):
-        engine.update_weights({f"module.{name}": tensor for name, tensor in weights.items()}, 4)
+    prefixed = weights_directory(tiny_model_dir, {f"module.{k}": v for k, v in weights.items()}, tmp_path / "bad")
+    with pytest.raises(ValueError, match=r"does not hold them: 21 tensor names unknown to it \['module\."):
+        engine.update_weights_from_disk(str(prefixed), 4)
     assert engine.weight_version() == 3
     assert "POST /get_weights_by_name" in _requests_log(engine)
-    engine.update_weights(weights, 4)  # the right names pass the same check
-    assert engine.weight_version() == 4
+    engine.update_weights_from_disk(str(weights_directory(tiny_model_dir, weights, tmp_path / "good")), 4)
+    assert engine.weight_version() == 4  # the right names pass the same check
 
 
 def test_null_logprobs_are_an_error_naming_the_request(engine, tokenizer):
@@ -161,7 +161,7 @@ def test_adapters_are_loaded_replaced_and_unloaded(lora_engine, tiny_model_dir, 
     )
 
     with pytest.raises(ValueError, match="frozen"):
-        lora_engine.update_weights({}, 5)
+        lora_engine.update_weights_from_disk(str(tiny_model_dir), 5)
     lora_engine.unload_adapter("a")
     assert lora_engine.adapter_versions() == {}
     with pytest.raises(ValueError, match="not loaded"):

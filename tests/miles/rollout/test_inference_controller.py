@@ -16,7 +16,7 @@ import torch
 from miles.config import AdapterConfig, RolloutConfig, load_config
 from miles.engines.torch_engine import TorchEngine
 from miles.rollout.inference_controller import EngineRestarted, InferenceController
-from tests.helpers import perturbed_weights, sglang_overrides
+from tests.helpers import perturbed_weights, sglang_overrides, weights_push
 from tests.helpers.faults import actor_pid, sglang_server_pid
 from tests.helpers.samples import make_requests, seeded
 
@@ -163,7 +163,7 @@ def test_a_bad_caller_is_refused_without_failing_concurrent_callers(controller, 
 
 
 @pytest.fixture(params=["torch", "sglang"])
-def recovering(request, ray_session, tiny_model_dir, make_lora):
+def recovering(request, ray_session, tiny_model_dir, make_lora, tmp_path):
     """An engine holding pushed weights (version 5) and an adapter, so that a restart must restore both. One engine:
     the module's two-engine controller still holds two of the session's three Ray CPUs. The faults hit the
     process that generates: the TorchEngine actor, or the SGLang engine's server."""
@@ -173,7 +173,10 @@ def recovering(request, ray_session, tiny_model_dir, make_lora):
     controller.generating_pid = lambda: (sglang_server_pid if request.param == "sglang" else actor_pid)(
         controller.engines[0]
     )
-    controller.update_weights(ray.put(perturbed_weights(tiny_model_dir, 11, 0.02)), 5)
+    controller.update_weights(
+        weights_push(rollout, tiny_model_dir, perturbed_weights(tiny_model_dir, 11, 0.02), 5, tmp_path)
+    )
+    controller.push_directory, controller.rollout = tmp_path, rollout
     # Engines serving adapters refuse full-weight pushes, so the adapter comes after the weights.
     tensors, config = make_lora(3)
     controller.load_adapter("a", ray.put(tensors), config, 9)
@@ -236,8 +239,10 @@ def test_hung_engine_is_restarted_after_the_timeout(recovering, tokenizer):
 
 def test_a_refused_push_is_not_an_engine_death(recovering, tiny_model_dir):
     engines = list(recovering.engines)
+    weights = perturbed_weights(tiny_model_dir, 11, 0.02)
+    push = weights_push(recovering.rollout, tiny_model_dir, weights, 6, recovering.push_directory)
     with pytest.raises(ValueError, match="frozen"):  # the engines serve an adapter, so a full push is refused
-        recovering.update_weights(ray.put(perturbed_weights(tiny_model_dir, 11, 0.02)), 6)
+        recovering.update_weights(push)
     assert recovering.engines == engines
 
 
@@ -259,7 +264,7 @@ def test_a_failing_sglang_server_is_restarted(ray_session, tiny_model_dir, token
 
 
 def test_a_server_that_dies_loading_weights_is_restarted_and_the_retried_push_lands(
-    ray_session, tiny_model_dir, tokenizer
+    ray_session, tiny_model_dir, tokenizer, tmp_path
 ):
     """A failed disk load can take an SGLang server down: an engine death (restart), not a refused request; the
     sync task's retry pushes again."""
@@ -268,17 +273,18 @@ def test_a_server_that_dies_loading_weights_is_restarted_and_the_retried_push_la
     try:
         url = ray.get(controller.engines[0].__ray_call__.remote(lambda self: self.url))
         httpx.post(f"{url}/test_fault", json={"die_on_load": True}, trust_env=False).raise_for_status()
-        weights = ray.put(perturbed_weights(tiny_model_dir, 12, 0.02))
+        weights = perturbed_weights(tiny_model_dir, 12, 0.02)
+        push = weights_push(rollout, tiny_model_dir, weights, 1, tmp_path)
 
         with pytest.raises(
-            EngineRestarted, match=r"update_weights failed .*restarted engines \[0\] with weight version 0"
+            EngineRestarted, match=r"update_weights_from_disk failed .*restarted engines \[0\] with weight version 0"
         ):
-            controller.update_weights(weights, 1)
-        controller.update_weights(weights, 1)
+            controller.update_weights(push)
+        controller.update_weights(push)
 
         assert ray.get(controller.engines[0].weight_version.remote()) == 1
         reference = TorchEngine(str(tiny_model_dir), num_threads=1)
-        reference.update_weights(ray.get(weights), 1)
+        reference.update_weights(weights, 1)
         requests = seeded(make_requests(tokenizer, ["1+2=", "45+67="], max_new_tokens=6), 5)
         _assert_same_samples(controller.generate(requests), reference.generate(requests))
     finally:

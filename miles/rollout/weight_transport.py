@@ -1,0 +1,162 @@
+"""Weight transports: how a version of the trainer's full weights reaches the engines (`rollout.weight_transport`).
+
+- `object_store`: rank 0's gathered tensors go through Ray's object store into each engine's process (TorchEngine).
+- `disk`: the trainer writes a model directory under `<run_dir>/engine_weights/`, and every engine loads it (SGLang's
+  `/update_weights_from_disk`); the directory must be on storage the engines see, as the run directory is.
+- `distributed`: the trainer's rank 0 broadcasts flattened buckets over a weight-update group with every engine
+  (miles.weight_group; SGLang's `/update_weights_from_distributed`); nothing is written, nothing is copied whole.
+
+A push is a `WeightPush`: the engine method that loads it and its arguments per engine, what the sender does while
+the engines receive, and the check of what the engines then hold. An engine restarted by the controller gets the
+push's `refill`: the same files or tensors for object_store and disk, kept until the next version lands; for
+distributed, which keeps no copy, the trainer's current weights broadcast to every engine over a new group.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from miles.cluster import RestartableActor
+from miles.weight_group import TensorSpec, WeightGroup, check_first_rows
+
+
+class WeightPush:
+    """Full weights as `version`, on their way to the engines."""
+
+    method: str  # the RolloutEngine method that loads them
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def engine_args(self, index: int) -> tuple:
+        """The arguments of engine `index`'s call of `method`."""
+        raise NotImplementedError
+
+    def send(self) -> None:
+        """The sender's side, run while the engines' calls are in flight."""
+
+    def check(self, results: dict[int, Any]) -> None:
+        """Raise when an engine does not hold what was sent (results: engine index -> its method's answer)."""
+
+    def refill(self, restarted: list[int], engine_count: int) -> tuple[WeightPush, list[int]]:
+        """The push that gives `restarted` engines these weights, and the engines it goes to."""
+        return self, restarted
+
+    def landed(self) -> None:
+        """Every engine holds this version: what an earlier version left behind can go."""
+
+
+class ObjectStorePush(WeightPush):
+    method = "update_weights"
+
+    def __init__(self, weights: ray.ObjectRef, version: int):
+        super().__init__(version)
+        self.weights = weights
+
+    def engine_args(self, index: int) -> tuple:
+        return self.weights, self.version
+
+
+class DiskPush(WeightPush):
+    method = "update_weights_from_disk"
+
+    def __init__(self, directory: Path, version: int):
+        super().__init__(version)
+        self.directory = directory
+
+    def engine_args(self, index: int) -> tuple:
+        return str(self.directory), self.version
+
+    def landed(self) -> None:
+        for older in self.directory.parent.iterdir():
+            if older != self.directory:
+                shutil.rmtree(older, ignore_errors=True)
+
+
+class DistributedPush(WeightPush):
+    method = "update_weights_from_distributed"
+
+    def __init__(self, transport: DistributedTransport, version: int):
+        super().__init__(version)
+        self.transport = transport
+        self.group, self.rank_offsets = transport.group()
+        self.buckets = transport.bucket_specs()
+        self.sent_rows: dict[str, list] = {}
+
+    def engine_args(self, index: int) -> tuple:
+        return self.group, self.rank_offsets[index], self.buckets, self.version
+
+    def send(self) -> None:
+        answer = self.transport.trainer.broadcast_weights(self.group)
+        if "error" in answer:
+            raise RuntimeError(f"the trainer could not send weights version {self.version}: {answer['error']}")
+        self.sent_rows = answer["first_rows"]
+
+    def check(self, results: dict[int, Any]) -> None:
+        for index, held in sorted(results.items()):
+            check_first_rows(held, self.sent_rows, f"engine {index}", self.version)
+        self.transport.group_works(self.group)
+
+    def refill(self, restarted: list[int], engine_count: int) -> tuple[WeightPush, list[int]]:
+        """The group lost a member: all engines join a new one and get the trainer's current weights."""
+        return DistributedPush(self.transport, self.transport.trainer_version()), list(range(engine_count))
+
+
+class DistributedTransport:
+    """The weight-update group of the trainer's rank 0 and the engines, made anew whenever its members change (a
+    restarted engine or trainer group) or a push over it failed."""
+
+    def __init__(
+        self,
+        trainer: RestartableActor,
+        engines: Callable[[], list[ray.actor.ActorHandle]],
+        ranks_per_engine: int,
+        backend: str,
+        timeout_s: float,
+        trainer_version: Callable[[], int],
+    ):
+        self.trainer = trainer
+        self.engines = engines
+        self.ranks_per_engine = ranks_per_engine
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.trainer_version = trainer_version
+        self._group: WeightGroup | None = None
+        self._members: tuple | None = None
+        self._working = False  # the last push over the group landed
+        self._made = 0
+        self._specs: tuple[Any, list[list[TensorSpec]]] | None = None
+
+    def push(self, version: int) -> DistributedPush:
+        return DistributedPush(self, version)
+
+    def group(self) -> tuple[WeightGroup, list[int]]:
+        engines = self.engines()
+        members = (self.trainer.group, *(engine._actor_id for engine in engines))
+        if self._group is None or members != self._members or not self._working:
+            host, port = self.trainer.free_address()
+            self._made += 1
+            self._group = WeightGroup(
+                master_address=host,
+                master_port=port,
+                world_size=1 + self.ranks_per_engine * len(engines),
+                group_name=f"miles-weights-{self._made}",
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+            )
+            self._members, self._working = members, False
+        return self._group, [1 + self.ranks_per_engine * i for i in range(len(engines))]
+
+    def group_works(self, group: WeightGroup) -> None:
+        self._working = group is self._group
+
+    def bucket_specs(self) -> list[list[TensorSpec]]:
+        """The trainer's buckets; they change only with the trainer group (a new model, the same names)."""
+        if self._specs is None or self._specs[0] is not self.trainer.group:
+            self._specs = (self.trainer.group, self.trainer.weight_bucket_specs())
+        return self._specs[1]

@@ -1,0 +1,129 @@
+"""The weight-update group: the trainer's rank 0 and every engine in one torch.distributed process group of their
+own, over which rank 0 broadcasts each new version of the weights (the `distributed` weight transport).
+
+It is built as SGLang builds its side (`/init_weights_update_group`): a TCP rendezvous at rank 0's address, a
+store prefixed by the group's name, and a process group apart from any default group, so a trainer rank can be in
+its FSDP group and in this one at once. Buckets travel flattened: the tensors' bytes end to end in one uint8
+tensor, in the order of the bucket's names (SGLang's `load_format: "flattened_bucket"`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+# One tensor of a bucket as the receiver needs it before the bytes arrive: (name, dtype name, shape).
+TensorSpec = tuple[str, str, list[int]]
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """Where and how to join one weight-update group; rank 0 is the trainer's, an engine's ranks start at its
+    `rank_offset` (SGLang's fields, so the spec is also the body of `/init_weights_update_group`)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    backend: str  # gloo on CPU, nccl on CUDA
+    timeout_s: float
+
+    def request(self, rank_offset: int) -> dict:
+        """The JSON body of SGLang's `/init_weights_update_group` for a server whose ranks start at `rank_offset`."""
+        body = asdict(self)
+        del body["timeout_s"]
+        return body | {"rank_offset": rank_offset}
+
+
+def join(group: WeightGroup, rank: int) -> dist.ProcessGroup:
+    """Join `group` as `rank`; blocks until every rank has joined."""
+    store, _, _ = next(
+        c10d.rendezvous(
+            f"tcp://{group.master_address}:{group.master_port}",
+            rank,
+            group.world_size,
+            timeout=timedelta(seconds=group.timeout_s),
+        )
+    )
+    process_group, _ = c10d._new_process_group_helper(
+        group.world_size,
+        rank,
+        [],
+        dist.Backend(group.backend),
+        dist.PrefixStore(group.group_name, store),
+        group_name=group.group_name,
+        timeout=timedelta(seconds=group.timeout_s),
+    )
+    c10d._world.pg_group_ranks[process_group] = {i: i for i in range(group.world_size)}
+    return process_group
+
+
+def leave(process_group: dist.ProcessGroup) -> None:
+    """Destroy a weight-update group, whatever state its peers left it in."""
+    try:
+        dist.destroy_process_group(process_group)
+    except (RuntimeError, ValueError, KeyError):
+        pass  # a group broken by a dead peer may be half torn down already; nothing of it is used again
+
+
+def tensor_specs(named_tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in named_tensors.items()]
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes end to end, as one uint8 tensor on the device of the first."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+    """The tensors of a flattened bucket, copied out (each byte range may be unaligned for its dtype)."""
+    tensors, offset = {}, 0
+    for name, dtype, shape in specs:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=flat.device)
+        size = tensor.numel() * tensor.element_size()
+        tensor.reshape(-1).view(torch.uint8).copy_(flat[offset : offset + size])
+        tensors[name] = tensor
+        offset += size
+    if offset != flat.numel():
+        raise ValueError(f"a flattened bucket of {flat.numel()} bytes does not hold its {len(specs)} tensors")
+    return tensors
+
+
+def receive_bucket(process_group: dist.ProcessGroup, specs: list[TensorSpec], device: torch.device) -> dict:
+    """Receive one bucket broadcast by rank 0 of `process_group`."""
+    nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in specs)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dist.broadcast(flat, group=process_group, group_src=0)
+    return unflatten(flat, specs)
+
+
+def send_bucket(process_group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    dist.broadcast(flatten(tensors), group=process_group, group_src=0)
+
+
+def first_rows(named_tensors: dict[str, torch.Tensor]) -> dict[str, list]:
+    """Each tensor's first row (a scalar stays whole), as float lists: what `/get_weights_by_name` answers with
+    `truncate_size=1`, to compare what an engine holds with what was sent."""
+    return {name: t.detach()[:1].float().cpu().tolist() if t.dim() else [float(t)] for name, t in named_tensors.items()}
+
+
+def check_first_rows(served: dict[str, list | None], sent: dict[str, list], engine: str, version: int) -> None:
+    """Raise ValueError naming the tensors an engine does not hold as sent: names it does not know (None) and
+    first rows that differ beyond the rounding of a bfloat16 engine."""
+    unknown = [name for name in sent if served.get(name) is None]
+    differ = [
+        name
+        for name, row in sent.items()
+        if served.get(name) is not None
+        and not torch.allclose(torch.tensor(served[name]), torch.tensor(row), rtol=2**-7, atol=1e-6)
+    ]
+    if unknown or differ:
+        raise ValueError(
+            f"{engine} reported weights version {version} loaded, but does not hold them: "
+            f"{len(unknown)} tensor names unknown to it {unknown[:5]}, "
+            f"{len(differ)} tensors that differ from the sent ones {differ[:5]}"
+        )
