@@ -135,12 +135,12 @@ class InferenceController:
         """
         what = method if isinstance(method, str) else method.__name__
         refs = {i: getattr(self.engines[i], what).remote(*args) for i, args in args_by_engine.items()}
-        try:
-            if alongside is not None:
+        sender_error = None
+        if alongside is not None:
+            try:
                 alongside()
-        except BaseException:
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)  # the engines' side ends
-            raise
+            except Exception as exc:  # noqa: BLE001 - the engines' side ends too, and an engine's death comes first
+                sender_error = exc
         _, not_ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
         hung = {i for i, ref in refs.items() if ref in not_ready}
         cause = None
@@ -148,12 +148,18 @@ class InferenceController:
             reason = f"engines {sorted(hung)} gave no answer within {self.timeout_s:g} s"
         else:
             try:
-                return ray.get(list(refs.values()))
+                results = ray.get(list(refs.values()))
             except (ray.exceptions.RayActorError, EngineUnavailable) as exc:
                 cause, reason = (
                     exc,
                     _start_failure(exc) if getattr(exc, "actor_init_failed", False) else first_line(exc),
                 )
+            except Exception as exc:
+                raise exc from sender_error
+            else:
+                if sender_error is not None:
+                    raise sender_error
+                return results
         restarted = self._restart_engines(hung)
         if not restarted:  # every engine passes its health check: the failure was not theirs (e.g. an argument's)
             raise cause

@@ -151,10 +151,13 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
 
 def test_sglang_engines_serve_the_adapters_as_the_torch_engines_do(ray_session, small_config, tmp_path):
     """The multi-LoRA loop with rollout.engine=sglang (the stand-in server, LoRA enabled from `adapters`): each
-    adapter pushed as a PEFT directory trains exactly as with the TorchEngine."""
+    adapter pushed as a PEFT directory trains exactly as with the TorchEngine. The weight transport of full pushes
+    leaves adapters on their own path."""
     reference = small_config(*ADAPTERS, run_dir=str(tmp_path / "torch"))
     run_multi_lora(reference)
-    config = small_config(*ADAPTERS, *sglang_overrides(), run_dir=str(tmp_path / "sglang"))
+    config = small_config(
+        *ADAPTERS, *sglang_overrides(), "rollout.weight_transport=distributed", run_dir=str(tmp_path / "sglang")
+    )
 
     run_multi_lora(config)
 

@@ -7,6 +7,8 @@ import signal
 import threading
 from pathlib import Path
 
+import httpx
+import ray
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 
@@ -50,7 +52,8 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
 def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
     ray_session, prefect_api, small_config, monkeypatch, uninterrupted_weights
 ):
-    config = small_config(**RECOVERY_RUN)
+    """With the distributed transport: the restarted engine, then the restarted trainer, make new weight groups."""
+    config = small_config("rollout.weight_transport=distributed", **RECOVERY_RUN)
     engine_killed = fault_before(
         monkeypatch, RLRun, "generate", lambda run, i: i == 2, lambda run: freeze_then_kill(run.controller.engines[0])
     )
@@ -98,8 +101,12 @@ def test_a_killed_trainer_worker_takes_its_group_down_and_the_retry_restarts_the
 def test_the_sglang_engine_runs_the_flow_and_a_killed_server_is_replaced(
     ray_session, prefect_api, small_config, monkeypatch, uninterrupted_weights
 ):
-    """rollout.engine=sglang, served by the stand-in server: the server is killed while rollout 2 generates."""
-    config = small_config(*sglang_overrides(), **RECOVERY_RUN)
+    """rollout.engine=sglang, served by the stand-in server, weights broadcast over a weight-update group: the server
+    is killed while rollout 2 generates, and a server dies receiving the weights trained on rollout 3. Each restarted
+    server joins a new group and gets the trainer's weights."""
+    config = small_config(
+        *sglang_overrides(), "rollout.weight_transport=distributed", "rollout.engine_timeout_s=120", **RECOVERY_RUN
+    )
     server_killed = fault_before(
         monkeypatch,
         RLRun,
@@ -107,19 +114,30 @@ def test_the_sglang_engine_runs_the_flow_and_a_killed_server_is_replaced(
         lambda run, i: i == 2,
         lambda run: _kill_during_next_call(sglang_server_pid(run.controller.engines[0])),
     )
+    died_receiving = fault_before(
+        monkeypatch, RLRun, "sync_weights", lambda run, i: i == 3, lambda run: _die_on_next_load(run.controller)
+    )
 
     state = sync_rl(config, return_state=True)
 
     assert state.is_completed(), state.message
-    assert [i for i, _ in server_killed] == [2]
+    assert [i for i, _ in server_killed] == [2] and [i for i, _ in died_receiving] == [3]
     _, task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
     runs = {r.name: r for r in task_runs}
-    assert runs["generate[rollout=2]"].run_count == 2
-    assert sum(r.run_count for r in task_runs) == len(task_runs) + 1  # no other retries
+    assert runs["generate[rollout=2]"].run_count == 2 and runs["sync_weights[rollout=3]"].run_count == 2
+    assert sum(r.run_count for r in task_runs) == len(task_runs) + 2  # no other retries
     assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
     # The stand-in samples with the same seeded TorchEngine: the run trains exactly as the torch-engine run does.
     assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0
+
+
+def _die_on_next_load(controller) -> int:
+    """The stand-in server exits when the next weights arrive, as an SGLang server whose load failed can."""
+    engine = controller.engines[0]
+    url = ray.get(engine.__ray_call__.remote(lambda self: self.url))
+    httpx.post(f"{url}/test_fault", json={"die_on_load": True}, trust_env=False).raise_for_status()
+    return sglang_server_pid(engine)
 
 
 def _kill_during_next_call(pid: int) -> int:

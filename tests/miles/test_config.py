@@ -173,6 +173,36 @@ def test_sharding_follows_the_workers_and_the_dtype_unless_set(overrides, sharde
     assert load_config(None, overrides).train.sharded is sharded
 
 
+@pytest.mark.parametrize(
+    "overrides, transport",
+    [
+        ([], "object_store"),
+        (["rollout.engine=sglang"], "disk"),
+        (["rollout.engine=sglang", "rollout.weight_transport=distributed"], "distributed"),
+        (["rollout.weight_transport=disk"], "disk"),
+    ],
+)
+def test_the_weight_transport_follows_the_engine_unless_set(overrides, transport):
+    assert load_config(None, overrides).rollout.transport == transport
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["rollout.engine=sglang", "rollout.weight_transport=object_store"],
+            "an SGLang server loads weights from disk or a broadcast: use disk or distributed",
+        ),
+        (
+            ["rollout.weight_transport=distributed", "rollout.device=cuda", "train.device=cpu"],
+            "train.device (cpu) and rollout.device (cuda) must both be cpu or both cuda",
+        ),
+    ],
+)
+def test_a_weight_transport_that_cannot_run_is_named(overrides, expected):
+    assert expected in _message(*overrides)
+
+
 def test_data_with_both_task_and_path():
     message = _message("data.path=prompts.jsonl")  # task keeps its default "addition"
     assert "data.task" in message and "data.path" in message

@@ -103,6 +103,18 @@ def test_update_weights_interval_pushes_every_n_rollouts(ray_session, small_conf
     assert [m["weight_version"] for m in _metrics(config.run_dir)] == [0, 0, 2, 2]
 
 
+@pytest.mark.parametrize("transport", ["disk", "distributed"])
+def test_every_weight_transport_trains_as_the_object_store_does(small_config, uninterrupted_weights, transport):
+    config = small_config(f"rollout.weight_transport={transport}", **RECOVERY_RUN)
+    run_sync(config)
+    assert max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights) == 0.0
+    engine_weights = RunDir(config.run_dir).engine_weights
+    # disk keeps the version the engines hold (a restarted engine loads it), none older; distributed writes nothing
+    assert (sorted(p.name for p in engine_weights.iterdir()) if engine_weights.exists() else []) == (
+        ["5"] if transport == "disk" else []
+    )
+
+
 def test_iterations_per_run_trains_a_slice_then_the_next_run_resumes(ray_session, small_config):
     config = small_config("iterations_per_run=2", num_rollout=5, save_interval=100)
     first = run_sync(config)

@@ -23,9 +23,11 @@ from miles.config import SGLangConfig
 from miles.engines import EngineUnavailable, RolloutEngine
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
+from miles.weight_group import check_first_rows, first_rows
 from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory
 from tests.helpers.faults import sglang_server_pid
 from tests.helpers.samples import ADAPTER_PROMPTS, make_requests, seeded, with_adapter
+from tests.helpers.weight_sender import Sender, bucket_specs, in_buckets, new_group
 
 STAND_IN = SGLangConfig(server_module=SGLANG_STAND_IN, health_timeout_s=5)
 
@@ -126,6 +128,53 @@ def test_a_push_the_server_skips_is_caught_by_reading_the_weights_back(engine, t
     assert "POST /get_weights_by_name" in _requests_log(engine)
     engine.update_weights_from_disk(str(weights_directory(tiny_model_dir, weights, tmp_path / "good")), 4)
     assert engine.weight_version() == 4  # the right names pass the same check
+
+
+def test_a_distributed_push_joins_the_group_once_and_lands_bucket_by_bucket(engine, tiny_model_dir, tokenizer):
+    """The server joins the weight-update group on the first push only; each bucket is one
+    /update_weights_from_distributed inside the refit session; what it then holds is read back for the sender."""
+    requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=6), 3)
+    reference = TorchEngine(str(tiny_model_dir), weight_version=3, num_threads=1)
+    group = new_group()
+    sender = Sender(group)
+    try:
+        for version in (4, 5):
+            weights = perturbed_weights(tiny_model_dir, version, 0.05)
+            buckets = in_buckets(weights, 3)
+            sender.send(buckets)
+            held = engine.update_weights_from_distributed(group, 1, bucket_specs(buckets), version)
+            sender.wait()
+            check_first_rows(held, first_rows(weights), "engine", version)
+            reference.update_weights(weights, version)
+            _assert_same(engine.generate(requests), reference.generate(requests))
+    finally:
+        sender.close()
+    log = _requests_log(engine)
+    assert log.count("POST /init_weights_update_group") == 1
+    refit = log[log.index("POST /pause_generation") :]
+    assert refit[:8] == [
+        "POST /pause_generation",
+        "POST /flush_cache",
+        "POST /begin_weight_update",
+        *["POST /update_weights_from_distributed"] * 3,
+        "POST /end_weight_update",
+        "POST /continue_generation",
+    ]
+    assert "GET /health_generate" not in refit[: refit.index("POST /continue_generation")]
+
+
+def test_a_broadcast_under_names_the_server_lacks_is_caught_by_the_check(engine, tiny_model_dir):
+    weights = perturbed_weights(tiny_model_dir, 6, 0.05)
+    prefixed = {f"module.{name}": tensor for name, tensor in weights.items()}
+    buckets = in_buckets(prefixed, 2)
+    sender = Sender(new_group()).send(buckets)
+    try:
+        held = engine.update_weights_from_distributed(sender.group, 1, bucket_specs(buckets), 4)
+        sender.wait()
+    finally:
+        sender.close()
+    with pytest.raises(ValueError, match=r"21 tensor names unknown to it \['module\.model\.embed_tokens\.weight'"):
+        check_first_rows(held, first_rows(prefixed), f"sglang server at {engine.url}", 4)
 
 
 def test_null_logprobs_are_an_error_naming_the_request(engine, tokenizer):
