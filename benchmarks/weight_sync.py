@@ -9,9 +9,10 @@ an `InferenceController` with one TorchEngine (one torch thread), on a model dir
   index, the config and the tokenizer), then the engine loads it (`DiskPush`: `read_safetensors` +
   `load_state_dict`). A push is both; the table also shows the two parts, each timed alone.
 - distributed (`rollout.weight_transport=distributed`): one `DistributedTransport` for the whole run; a push
-  (`controller.update_weights(transport.push(v))`) has the trainer's rank 0 broadcast each bucket, flattened, over
-  the weight-update group while the engine receives it and copies it into its parameters, and the first rows of
-  every tensor are checked against what was sent. The first push also makes the group (a TCP rendezvous, the gloo
+  (`controller.update_weights(transport.push(v))`) has the trainer's rank 0 broadcast each bucket over the
+  weight-update group, tensor by tensor, while the TorchEngine receives each tensor straight into its parameter
+  (an SGLang server would get flattened buckets), and the first rows of every tensor are checked against what was
+  sent. The first push also makes the group (a TCP rendezvous, the gloo
   process group on both sides); it is shown apart and left out of the median.
 
 One warm-up push of each transport (the distributed one is the group's first push), then --rounds rounds, each a
@@ -79,6 +80,7 @@ def _measure(model_dir: Path, run_dir: Path, args) -> tuple[dict[str, list[float
             trainer,
             lambda: controller.engines,
             controller.ranks_per_engine,
+            controller.distributed_load_format,
             backend="gloo",
             timeout_s=600,
             trainer_version=trainer.weights_version,
@@ -131,7 +133,7 @@ def main() -> None:
     parser.add_argument(
         "--bucket-mb", type=float, default=None, help="train.weight_bucket_mb (unset: the config's default)"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="timed pushes per transport, after one warm-up each")
+    parser.add_argument("--rounds", type=int, default=5, help="timed pushes per transport, after one warm-up each")
     args = parser.parse_args()
     hf_logging.disable_progress_bar()
 

@@ -165,3 +165,15 @@ def write_checkpoint(target: Path, rollout_id: int, state: dict[str, Any], write
     staging = staging_dir(target)
     write_files(staging)
     return commit_checkpoint(staging, target, rollout_id, state)
+
+
+def unshared(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied embeddings): each gets its own contiguous copy if needed."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in named_tensors.items():
+        tensor = tensor.detach().contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if pointer in seen else tensor
+        seen.add(pointer)
+    return tensors

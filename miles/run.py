@@ -107,6 +107,7 @@ class RLRun:
                 self.trainer,
                 lambda: self.controller.engines,
                 self.controller.ranks_per_engine,
+                self.controller.distributed_load_format,
                 backend="nccl" if config.rollout.device.startswith("cuda") else "gloo",
                 timeout_s=config.rollout.engine_timeout_s,
                 trainer_version=self.trainer.weights_version,

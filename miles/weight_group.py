@@ -3,8 +3,10 @@ own, over which rank 0 broadcasts each new version of the weights (the `distribu
 
 It is built as SGLang builds its side (`/init_weights_update_group`): a TCP rendezvous at rank 0's address, a
 store prefixed by the group's name, and a process group apart from any default group, so a trainer rank can be in
-its FSDP group and in this one at once. Buckets travel flattened: the tensors' bytes end to end in one uint8
-tensor, in the order of the bucket's names (SGLang's `load_format: "flattened_bucket"`).
+its FSDP group and in this one at once. A bucket travels as SGLang's `load_format` says: flattened (the tensors'
+bytes end to end in one uint8 tensor, in the order of the bucket's names: `"flattened_bucket"`, one collective per
+bucket, what SGLang recommends) or tensor by tensor (`None`: a receiver can take each tensor straight into its
+parameter, with no copy at either end).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+FLATTENED = "flattened_bucket"  # SGLang's load_format for a bucket sent as one uint8 tensor
 
 # One tensor of a bucket as the receiver needs it before the bytes arrive: (name, dtype name, shape).
 TensorSpec = tuple[str, str, list[int]]
@@ -93,16 +97,47 @@ def unflatten(flat: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Te
     return tensors
 
 
-def receive_bucket(process_group: dist.ProcessGroup, specs: list[TensorSpec], device: torch.device) -> dict:
-    """Receive one bucket broadcast by rank 0 of `process_group`."""
-    nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in specs)
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dist.broadcast(flat, group=process_group, group_src=0)
-    return unflatten(flat, specs)
+def send_bucket(process_group: dist.ProcessGroup, tensors: list[torch.Tensor], load_format: str | None) -> None:
+    """Broadcast one bucket from rank 0: flattened into one tensor (`"flattened_bucket"`) or tensor by tensor."""
+    if load_format == FLATTENED:
+        dist.broadcast(flatten(tensors), group=process_group, group_src=0)
+        return
+    _wait_all([dist.broadcast(t.contiguous(), group=process_group, group_src=0, async_op=True) for t in tensors])
 
 
-def send_bucket(process_group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
-    dist.broadcast(flatten(tensors), group=process_group, group_src=0)
+def receive_bucket(
+    process_group: dist.ProcessGroup,
+    specs: list[TensorSpec],
+    device: torch.device,
+    load_format: str | None,
+    into: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Receive one bucket broadcast by rank 0. Tensor by tensor, a tensor of `into` with the spec's dtype and shape
+    receives its bytes in place (no copy); the others, and a flattened bucket's, arrive in new tensors."""
+    if load_format == FLATTENED:
+        nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in specs)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dist.broadcast(flat, group=process_group, group_src=0)
+        return unflatten(flat, specs)
+    into = into or {}
+    received = {}
+    for name, dtype, shape in specs:
+        target = into.get(name)
+        fits = (
+            target is not None
+            and target.dtype == getattr(torch, dtype)
+            and list(target.shape) == shape
+            and target.is_contiguous()
+            and target.device == device
+        )
+        received[name] = target if fits else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+    _wait_all([dist.broadcast(t, group=process_group, group_src=0, async_op=True) for t in received.values()])
+    return received
+
+
+def _wait_all(works: list) -> None:
+    for work in works:
+        work.wait()
 
 
 def first_rows(named_tensors: dict[str, torch.Tensor]) -> dict[str, list]:

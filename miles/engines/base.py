@@ -97,7 +97,12 @@ class RolloutEngine(Protocol):
     def update_weights_from_disk(self, directory: str, version: int) -> None: ...
 
     def update_weights_from_distributed(
-        self, group: WeightGroup, rank_offset: int, buckets: list[list[TensorSpec]], version: int
+        self,
+        group: WeightGroup,
+        rank_offset: int,
+        buckets: list[list[TensorSpec]],
+        version: int,
+        load_format: str | None = None,
     ) -> dict[str, list | None]: ...
 
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None: ...

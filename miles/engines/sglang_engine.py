@@ -33,6 +33,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
+from miles.checkpoint import unshared
 from miles.config import SGLangConfig
 from miles.engines.base import (
     EngineUnavailable,
@@ -245,7 +246,12 @@ class SGLangEngine:
         self._weight_version = version
 
     def update_weights_from_distributed(
-        self, group: WeightGroup, rank_offset: int, buckets: list[list[TensorSpec]], version: int
+        self,
+        group: WeightGroup,
+        rank_offset: int,
+        buckets: list[list[TensorSpec]],
+        version: int,
+        load_format: str | None = None,
     ) -> dict[str, list | None]:
         """Receive the weights broadcast over the weight-update `group` (`/init_weights_update_group` as
         `rank_offset` when the group is new; it blocks until the trainer joins), one
@@ -271,7 +277,7 @@ class SGLangEngine:
                         "group_name": group.group_name,
                         "flush_cache": False,
                         "weight_version": str(version),
-                        "load_format": "flattened_bucket",
+                        "load_format": load_format,
                     },
                 ).json()
                 for specs in buckets
@@ -326,7 +332,7 @@ class SGLangEngine:
         self.unload_adapter(name)
         directory = self._work_dir / "adapters" / f"{name}-{version}"
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(_unshared(named_tensors), directory / "adapter_model.safetensors")
+        save_file(unshared(named_tensors), directory / "adapter_model.safetensors")
         (directory / "adapter_config.json").write_text(json.dumps(config))
         self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(directory), "pinned": False})
         self._adapter_versions[name] = version
@@ -363,18 +369,6 @@ def _sampling_params(request: GenerateRequest) -> dict:
         "skip_special_tokens": False,
         "sampling_seed": request.seed,
     }
-
-
-def _unshared(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied embeddings): each gets its own contiguous copy if needed."""
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in named_tensors.items():
-        tensor = tensor.detach().contiguous()
-        pointer = tensor.untyped_storage().data_ptr()
-        tensors[name] = tensor.clone() if pointer in seen else tensor
-        seen.add(pointer)
-    return tensors
 
 
 def _free_port() -> int:

@@ -86,18 +86,24 @@ class TorchEngine:
 
     @torch.inference_mode()
     def update_weights_from_distributed(
-        self, group: WeightGroup, rank_offset: int, buckets: list[list[TensorSpec]], version: int
+        self,
+        group: WeightGroup,
+        rank_offset: int,
+        buckets: list[list[TensorSpec]],
+        version: int,
+        load_format: str | None = None,
     ) -> dict[str, list | None]:
         """Receive the weights broadcast over the weight-update `group` (joined as `rank_offset` when new), bucket
-        by bucket, into the model. Returns the first row of each received tensor as the model now holds it (None
+        by bucket, into the model: tensor by tensor straight into the parameters, or as flattened buckets. A failed
+        broadcast leaves the weights partly updated (as SGLang's do) until the next push lands. Returns the first row of each received tensor as the model now holds it (None
         for a name the model does not have), for the sender to check."""
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
         process_group = self._join(group, rank_offset)
         parameters = self.model.state_dict()
         for specs in buckets:  # every bucket is received, whatever it holds, so the broadcast stays in step
-            for name, tensor in receive_bucket(process_group, specs, self.device).items():
-                if name in parameters:
+            for name, tensor in receive_bucket(process_group, specs, self.device, load_format, parameters).items():
+                if name in parameters and tensor is not parameters[name]:
                     parameters[name].copy_(tensor)
         self._weight_version = version
         names = [name for specs in buckets for name, _, _ in specs]

@@ -26,6 +26,7 @@ from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResul
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
 from miles.rollout.weight_transport import WeightPush
+from miles.weight_group import FLATTENED
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class InferenceController:
                 )
             self._engine_options = actor_options(rollout.device, gpus=rollout.sglang.tp_size)
             self.ranks_per_engine = rollout.sglang.tp_size
+            # Broadcast weights arrive as SGLang recommends: one collective per bucket, not one per tensor.
+            self.distributed_load_format = FLATTENED
         else:
             self._engine_class = TorchEngine
             self._engine_args = dict(
@@ -73,6 +76,7 @@ class InferenceController:
             )
             self._engine_options = actor_options(rollout.device)
             self.ranks_per_engine = 1
+            self.distributed_load_format = None  # tensor by tensor, straight into the parameters
         self.timeout_s = rollout.engine_timeout_s
         self._weight_version = weight_version
         self._push: WeightPush | None = None  # the last full-weight push, for engines restarted after it

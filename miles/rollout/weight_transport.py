@@ -89,10 +89,10 @@ class DistributedPush(WeightPush):
         self.sent_rows: dict[str, list] = {}
 
     def engine_args(self, index: int) -> tuple:
-        return self.group, self.rank_offsets[index], self.buckets, self.version
+        return self.group, self.rank_offsets[index], self.buckets, self.version, self.transport.load_format
 
     def send(self) -> None:
-        answer = self.transport.trainer.broadcast_weights(self.group)
+        answer = self.transport.trainer.broadcast_weights(self.group, self.transport.load_format)
         if "error" in answer:
             raise RuntimeError(f"the trainer could not send weights version {self.version}: {answer['error']}")
         self.sent_rows = answer["first_rows"]
@@ -116,6 +116,7 @@ class DistributedTransport:
         trainer: RestartableActor,
         engines: Callable[[], list[ray.actor.ActorHandle]],
         ranks_per_engine: int,
+        load_format: str | None,
         backend: str,
         timeout_s: float,
         trainer_version: Callable[[], int],
@@ -123,6 +124,7 @@ class DistributedTransport:
         self.trainer = trainer
         self.engines = engines
         self.ranks_per_engine = ranks_per_engine
+        self.load_format = load_format
         self.backend = backend
         self.timeout_s = timeout_s
         self.trainer_version = trainer_version

@@ -22,6 +22,7 @@ from miles.checkpoint import (
     save_optimizer,
     staging_dir,
     staging_path,
+    unshared,
 )
 from miles.cluster import free_address
 from miles.config import RunConfig
@@ -145,9 +146,10 @@ class TrainActor:
         """What `broadcast_weights` sends, bucket by bucket: (name, dtype, shape) of each tensor."""
         return bucket_specs(self.model, self._bucket_bytes)
 
-    def broadcast_weights(self, group: WeightGroup) -> dict[str, Any]:
+    def broadcast_weights(self, group: WeightGroup, load_format: str | None) -> dict[str, Any]:
         """Rank 0 broadcasts the full weights over the weight-update `group` (joining it first if it is new), a
-        bucket at a time as `weight_bucket_specs` lists them; every rank takes part in each bucket's gathers.
+        bucket at a time as `weight_bucket_specs` lists them, in the engines' `load_format` (flattened or tensor by
+        tensor); every rank takes part in each bucket's gathers.
 
         Returns rank 0's `{"first_rows": ...}` of every tensor sent, to check the engines against; or `{"error": ...}`
         when the group failed (a peer died): rank 0 then still takes its part in the remaining gathers, so that the
@@ -159,13 +161,13 @@ class TrainActor:
             process_group = self._weight_group(group) if sending else None
         except RuntimeError as exc:
             error = exc
-        for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device):
+        for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device, copy=False):
             if not sending:
                 continue  # this rank's part of each gather
             rows.update(first_rows(bucket))
             if error is None:
                 try:
-                    send_bucket(process_group, list(bucket.values()))
+                    send_bucket(process_group, list(bucket.values()), load_format)
                 except RuntimeError as exc:
                     error = exc
         if error is not None:
@@ -194,12 +196,12 @@ class TrainActor:
         staging = staging_path(target)
         specs = self.weight_bucket_specs()
         weight_map: dict[str, str] = {}
-        for index, bucket in enumerate(full_tensor_buckets(self.model, self._bucket_bytes)):
+        for index, bucket in enumerate(full_tensor_buckets(self.model, self._bucket_bytes, copy=False)):
             if self.rank != 0:
                 continue
             staging.mkdir(parents=True, exist_ok=True)
             name = f"model-{index + 1:05d}-of-{len(specs):05d}.safetensors"
-            save_file(bucket, staging / name, metadata={"format": "pt"})
+            save_file(unshared(bucket), staging / name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(bucket, name))
         if self.rank == 0:
             total = sum(

@@ -39,13 +39,14 @@ def shard_model(model: torch.nn.Module, device_type: str = "cpu", param_dtype: s
 
 
 def full_tensor_buckets(
-    model: torch.nn.Module, bucket_bytes: int, device: torch.device | str = "cpu"
+    model: torch.nn.Module, bucket_bytes: int, device: torch.device | str = "cpu", copy: bool = True
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The model's parameters and buffers whole, on `device`, a bucket of at most `bucket_bytes` at a time (a tensor
-    larger than that is a bucket of its own). A bucket's gathers run together; only one bucket of full tensors is on
+    larger than that is a bucket of its own). With `copy` false, an unsharded tensor already on `device` is the
+    model's own (for a caller that only reads it before the next step). A bucket's gathers run together; only one bucket of full tensors is on
     the model's device at once. With a sharded model every rank must iterate: each gather is a collective."""
     for bucket in _buckets(model, bucket_bytes):
-        yield _gathered(bucket, device)
+        yield _gathered(bucket, device, copy)
 
 
 def bucket_specs(model: torch.nn.Module, bucket_bytes: int) -> list[list[TensorSpec]]:
@@ -67,17 +68,21 @@ def _buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[s
         yield bucket
 
 
-def _gathered(bucket: list[tuple[str, torch.Tensor]], device: torch.device | str) -> dict[str, torch.Tensor]:
+def _gathered(
+    bucket: list[tuple[str, torch.Tensor]], device: torch.device | str, copy: bool
+) -> dict[str, torch.Tensor]:
     pending = [
         (
             name,
-            value.redistribute(placements=[Replicate()] * value.device_mesh.ndim, async_op=True).to_local()
-            if isinstance(value, DTensor)
-            else value,
+            value.redistribute(placements=[Replicate()] * value.device_mesh.ndim, async_op=True).to_local(),
+            True,
         )
+        if isinstance(value, DTensor)
+        else (name, value, False)
         for name, value in bucket
     ]
-    return {name: value.detach().to(device, copy=True) for name, value in pending}
+    # A gathered tensor is still in flight until read: the copy waits for it. A plain tensor is the model's own.
+    return {name: value.detach().to(device, copy=copy or gathered) for name, value, gathered in pending}
 
 
 def full_state_dict(model: torch.nn.Module, bucket_bytes: int) -> dict[str, torch.Tensor]:

@@ -37,13 +37,13 @@ class Sender:
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    def send(self, buckets: list[dict[str, torch.Tensor]]) -> Sender:
+    def send(self, buckets: list[dict[str, torch.Tensor]], load_format: str | None) -> Sender:
         def run():
             try:
                 if self.process_group is None:
                     self.process_group = join(self.group, rank=0)
                 for bucket in buckets:
-                    send_bucket(self.process_group, list(bucket.values()))
+                    send_bucket(self.process_group, list(bucket.values()), load_format)
             except BaseException as exc:  # noqa: BLE001 - read by the test
                 self.error = exc
 

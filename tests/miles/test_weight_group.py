@@ -7,7 +7,7 @@ import ray
 import torch
 
 from miles.engines.torch_engine import TorchEngine
-from miles.weight_group import check_first_rows, first_rows, flatten, unflatten
+from miles.weight_group import FLATTENED, check_first_rows, first_rows, flatten, unflatten
 from tests.helpers import perturbed_weights
 from tests.helpers.weight_sender import Sender, bucket_specs, in_buckets, new_group
 
@@ -48,10 +48,13 @@ def test_a_torch_engine_receives_a_broadcast_joins_once_and_moves_to_a_new_group
     group = new_group()
     sender = Sender(group)
     try:
-        for version, weights in ((1, first), (2, second)):  # the second push reuses the group
+        # The second push reuses the group; tensor by tensor (into the parameters), then flattened.
+        for version, weights, load_format in ((1, first, None), (2, second, FLATTENED)):
             buckets = in_buckets(weights, 3)
-            sender.send(buckets)
-            held = ray.get(engine.update_weights_from_distributed.remote(group, 1, bucket_specs(buckets), version))
+            sender.send(buckets, load_format)
+            held = ray.get(
+                engine.update_weights_from_distributed.remote(group, 1, bucket_specs(buckets), version, load_format)
+            )
             sender.wait()
             check_first_rows(held, first_rows(weights), "engine", version)
             assert ray.get(engine.weight_version.remote()) == version
@@ -64,8 +67,8 @@ def test_a_torch_engine_receives_a_broadcast_joins_once_and_moves_to_a_new_group
     sender = Sender(moved)
     try:
         buckets = in_buckets(first, 1)
-        sender.send(buckets)
-        ray.get(engine.update_weights_from_distributed.remote(moved, 1, bucket_specs(buckets), 3))
+        sender.send(buckets, None)
+        ray.get(engine.update_weights_from_distributed.remote(moved, 1, bucket_specs(buckets), 3, None))
         sender.wait()
         state = ray.get(engine.__ray_call__.remote(lambda self: self.model.state_dict()))
         assert all(torch.equal(state[name], first[name]) for name in first)

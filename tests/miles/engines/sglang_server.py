@@ -279,13 +279,8 @@ class StandInServer:
             os._exit(1)
         specs = list(zip(body["names"], body["dtypes"], body["shapes"], strict=True))
         try:
-            if body.get("load_format") == "flattened_bucket":
-                tensors = receive_bucket(self.weight_groups[group_name], specs, torch.device("cpu"))
-            else:
-                tensors = {}
-                for name, dtype, shape in specs:
-                    tensors[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-                    torch.distributed.broadcast(tensors[name], group=self.weight_groups[group_name], group_src=0)
+            group = self.weight_groups[group_name]
+            tensors = receive_bucket(group, specs, torch.device("cpu"), body.get("load_format"))
             with self._engine_lock:
                 _load_by_name(self.engine.model, tensors)
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed update

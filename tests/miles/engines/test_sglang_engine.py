@@ -23,7 +23,7 @@ from miles.config import SGLangConfig
 from miles.engines import EngineUnavailable, RolloutEngine
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
-from miles.weight_group import check_first_rows, first_rows
+from miles.weight_group import FLATTENED, check_first_rows, first_rows
 from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory
 from tests.helpers.faults import sglang_server_pid
 from tests.helpers.samples import ADAPTER_PROMPTS, make_requests, seeded, with_adapter
@@ -138,11 +138,11 @@ def test_a_distributed_push_joins_the_group_once_and_lands_bucket_by_bucket(engi
     group = new_group()
     sender = Sender(group)
     try:
-        for version in (4, 5):
+        for version, load_format in ((4, FLATTENED), (5, None)):  # SGLang's two formats of a bucket
             weights = perturbed_weights(tiny_model_dir, version, 0.05)
             buckets = in_buckets(weights, 3)
-            sender.send(buckets)
-            held = engine.update_weights_from_distributed(group, 1, bucket_specs(buckets), version)
+            sender.send(buckets, load_format)
+            held = engine.update_weights_from_distributed(group, 1, bucket_specs(buckets), version, load_format)
             sender.wait()
             check_first_rows(held, first_rows(weights), "engine", version)
             reference.update_weights(weights, version)
@@ -167,9 +167,9 @@ def test_a_broadcast_under_names_the_server_lacks_is_caught_by_the_check(engine,
     weights = perturbed_weights(tiny_model_dir, 6, 0.05)
     prefixed = {f"module.{name}": tensor for name, tensor in weights.items()}
     buckets = in_buckets(prefixed, 2)
-    sender = Sender(new_group()).send(buckets)
+    sender = Sender(new_group()).send(buckets, FLATTENED)
     try:
-        held = engine.update_weights_from_distributed(sender.group, 1, bucket_specs(buckets), 4)
+        held = engine.update_weights_from_distributed(sender.group, 1, bucket_specs(buckets), 4, FLATTENED)
         sender.wait()
     finally:
         sender.close()
