@@ -8,6 +8,7 @@ then save_checkpoint when due and finish_iteration. Each call is idempotent per 
 from __future__ import annotations
 
 import logging
+import shutil
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,8 @@ class RLRun:
 
     def _start_engines(self, plan: ResumePlan) -> InferenceController:
         """Engines on the checkpoint's weights (else the starting model's), at the checkpoint's weight version."""
+        # Weights a previous start pushed are not this start's: a version re-trained by the replay is pushed anew.
+        shutil.rmtree(self.run_dir.engine_weights, ignore_errors=True)
         model = plan.checkpoint / MODEL_DIR if plan.checkpoint else self.initial_model
         return InferenceController(str(model), plan.saved_weight_version, self.config.rollout)
 

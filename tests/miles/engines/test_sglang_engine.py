@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 
 import httpx
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from miles.config import SGLangConfig
-from miles.engines import EngineUnavailable, RolloutEngine
+from miles.engines import EngineUnavailable, GenerateRequest, RolloutEngine, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import FLATTENED, check_first_rows, first_rows
@@ -175,6 +176,31 @@ def test_a_broadcast_under_names_the_server_lacks_is_caught_by_the_check(engine,
         sender.close()
     with pytest.raises(ValueError, match=r"21 tensor names unknown to it \['module\.model\.embed_tokens\.weight'"):
         check_first_rows(held, first_rows(prefixed), f"sglang server at {engine.url}", 4)
+
+
+def test_a_pause_in_abort_mode_aborts_the_running_batch(engine, tokenizer):
+    """As SGLang's /pause_generation (mode abort): the requests running then end with finish reason abort, which
+    the engine reports as an error (nothing here pauses a generation, so an abort is the server's failure)."""
+    no_stop = SamplingParams(max_new_tokens=48)  # runs a while
+    requests = [GenerateRequest(prompt_ids=tokenizer(p)["input_ids"], sampling=no_stop) for p in ADAPTER_PROMPTS * 8]
+    outcome: list[BaseException] = []
+
+    def generate():
+        try:
+            engine.generate(requests)
+        except BaseException as exc:  # noqa: BLE001 - read below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while httpx.post(f"{engine.url}/flush_cache", trust_env=False).status_code != 400:  # 400: a batch is running
+        assert time.monotonic() < deadline, "the batch never started"
+    httpx.post(f"{engine.url}/pause_generation", json={"mode": "abort"}, trust_env=False).raise_for_status()
+    httpx.post(f"{engine.url}/continue_generation", json={}, trust_env=False).raise_for_status()
+    thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError)
+    assert f"aborted {len(requests)} of {len(requests)} requests: Abort in running batch." in str(outcome[0])
 
 
 def test_null_logprobs_are_an_error_naming_the_request(engine, tokenizer):
