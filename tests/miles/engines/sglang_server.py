@@ -6,7 +6,8 @@ with SGLang's request fields, response JSON and status codes:
 - `/generate`: `input_ids` (one list or a batch), `sampling_params` (a dict or one per request), `return_logprob`,
   `lora_path`; each output is `{text, output_ids, meta_info}` with `meta_info.output_token_logprobs` as
   `[logprob, token_id, text-or-null]` triples, `finish_reason` `{type: stop, matched}` or `{type: length, length}`,
-  and the string `weight_version`. Without `no_stop_trim`, `output_ids` drop a matched stop token.
+  and the string `weight_version`. Generation stops on `stop_token_ids` and on every EOS id of the tokenizer,
+  `config.json` and `generation_config.json` (unless `ignore_eos`). Without `no_stop_trim`, `output_ids` drop a matched stop token.
 - The refit: `/pause_generation` (requests wait until `/continue_generation`), `/flush_cache` (400 while a
   request runs), `/begin_weight_update` and `/end_weight_update` (a session opened twice, or closed when none is
   open, is refused), `/update_weights_from_disk` (safetensors files; as in SGLang, a tensor name the model lacks
@@ -43,6 +44,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from miles.engines import GenerateRequest, SamplingParams
+from miles.engines.base import eos_token_ids
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import WeightGroup, join, leave, receive_bucket
 
@@ -81,6 +83,7 @@ class StandInServer:
         self.args = args
         self.engine = TorchEngine(args.model_path, device="cpu", num_threads=1)
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        self.eos_ids = eos_token_ids(self.tokenizer)
         self.weight_version = args.weight_version
         self.lora_paths: dict[str, str] = {}
         self.in_weight_update = False
@@ -143,7 +146,8 @@ class StandInServer:
                 temperature=p.get("temperature", 1.0),
                 top_p=p.get("top_p", 1.0),
                 max_new_tokens=p.get("max_new_tokens", 128),
-                stop_token_ids=tuple(p.get("stop_token_ids") or ()),
+                # SGLang also stops on every EOS id of the model's files, unless the request ignores EOS.
+                stop_token_ids=tuple(dict.fromkeys([*(p.get("stop_token_ids") or ()), *self.stops_on_eos(p)])),
             )
             requests.append(
                 GenerateRequest(
@@ -162,6 +166,9 @@ class StandInServer:
             for r, q, p in zip(results, requests, params, strict=True)
         ]
         return JSONResponse(outputs[0] if single else outputs)
+
+    def stops_on_eos(self, params: dict) -> tuple[int, ...]:
+        return () if params.get("ignore_eos", False) else self.eos_ids
 
     def _output(
         self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float, aborted: bool

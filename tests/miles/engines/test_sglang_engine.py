@@ -203,6 +203,27 @@ def test_a_pause_in_abort_mode_aborts_the_running_batch(engine, tokenizer):
     assert f"aborted {len(requests)} of {len(requests)} requests: Abort in running batch." in str(outcome[0])
 
 
+def test_the_server_stops_on_the_models_eos_whatever_the_request_asks(engine, tiny_model_dir, tokenizer):
+    prompts = ["1+2=", "45+67=", "3+4="]
+    body = {
+        "input_ids": [tokenizer(p)["input_ids"] for p in prompts],
+        "sampling_params": [{"max_new_tokens": 12, "stop_token_ids": [], "sampling_seed": i} for i in range(3)],
+    }
+    outputs = httpx.post(f"{engine.url}/generate", json=body, trust_env=False).json()
+    unstopped = TorchEngine(str(tiny_model_dir), num_threads=1).generate(
+        [
+            GenerateRequest(prompt_ids=ids, sampling=SamplingParams(max_new_tokens=12), seed=i)
+            for i, ids in enumerate(body["input_ids"])
+        ]
+    )
+    eos = tokenizer.eos_token_id
+    assert any(eos in r.output_ids[:-1] for r in unstopped)  # without the EOS stop these samples run past it
+    for output, free in zip(outputs, unstopped, strict=True):
+        if eos in free.output_ids:
+            assert output["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+            assert output["output_ids"] == free.output_ids[: free.output_ids.index(eos)]  # stop token trimmed
+
+
 def test_null_logprobs_are_an_error_naming_the_request(engine, tokenizer):
     httpx.post(f"{engine.url}/test_fault", json={"null_logprobs": True}, trust_env=False).raise_for_status()
     requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=3), 5)
