@@ -52,7 +52,15 @@ class DataConfig(_Section):
         "label", description="label column; null for data without labels (a reward that needs none)"
     )
     shuffle: bool = True
-    reward: str = Field("exact_match", description="reward name (miles.rewards) or import path 'pkg.mod:fn'")
+    reward: str = Field(
+        "exact_match",
+        description="exact_match, digit_match, math (math-verify), gsm8k, or an import path 'pkg.mod:name' of a "
+        "reward function (plain or async) or of an object with score_batch",
+    )
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="a reward call slower than this fails its samples (stored as failed, not trained on)"
+    )
+    reward_concurrency: int = Field(16, gt=0, description="per-sample reward calls in flight at once")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:

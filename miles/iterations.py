@@ -38,7 +38,7 @@ class PolicyInputs(NamedTuple):
 
     config: RunConfig
     rows: list[dict[str, str]]
-    reward_fn: RewardFn
+    reward: RewardFn | object  # a reward function or a batched reward (miles.rewards)
 
 
 class Iterations:
@@ -60,7 +60,7 @@ class Iterations:
         if plan.data_state:
             self.data_source.load_state_dict(plan.data_state)
         self.executor = RolloutExecutor(
-            self.config, controller, tokenizer, self.data_source, self.store, inputs.reward_fn, adapter
+            self.config, controller, tokenizer, self.data_source, self.store, inputs.reward, adapter
         )
         # Rollouts trained so far; the trainer is at version rollout_id + 1 after training rollout_id.
         self.trainer_version = plan.first_rollout_id

@@ -6,15 +6,20 @@ import importlib
 from collections.abc import Callable
 
 
-def import_callable(field: str, spec: str) -> Callable:
-    """The callable at `pkg.mod:fn`; errors name the config field."""
+def import_object(field: str, spec: str) -> object:
+    """The object at `pkg.mod:name`; errors name the config field."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{field}: {spec!r} is not an import path of the form 'pkg.mod:fn'")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"{field}: cannot import {spec!r}: {exc}") from exc
+
+
+def import_callable(field: str, spec: str) -> Callable:
+    """The callable at `pkg.mod:fn`; errors name the config field."""
+    fn = import_object(field, spec)
     if not callable(fn):
         raise ValueError(f"{field}: {spec!r} is not callable")
     return fn

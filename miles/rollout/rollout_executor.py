@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +14,7 @@ from miles.config import RunConfig
 from miles.data import DataSource
 from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
 from miles.rewards import RewardFn
+from miles.rewards.scoring import RewardScorer, clip
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.schema import ROLLOUT_SCHEMA, rollout_metadata, samples_table, with_rollout_metadata
 from miles.rollout.store import RolloutStore
@@ -33,7 +33,7 @@ class RolloutExecutor:
         tokenizer,
         data_source: DataSource,
         store: RolloutStore,
-        reward_fn: RewardFn,
+        reward: RewardFn | object,
         adapter: str | None = None,
     ):
         self.config = config
@@ -42,7 +42,7 @@ class RolloutExecutor:
         self.tokenizer = tokenizer
         self.data_source = data_source
         self.store = store
-        self.reward_fn = reward_fn
+        self.reward = RewardScorer(reward, config.data.reward_timeout_s, config.data.reward_concurrency)
         self.sampling = SamplingParams(
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
@@ -111,7 +111,7 @@ class RolloutExecutor:
         stops = self.sampling.stop_token_ids
         texts = self.tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
         finished = [r.finish_reason == "stop" and bool(r.output_ids) and r.output_ids[-1] in stops for r in results]
-        rewards, failures = self._score(texts, labels, finished)
+        rewards, failures = self.reward.score(texts, labels, finished)
         if failures:
             index, why = failures[0]
             log.warning(
@@ -122,7 +122,7 @@ class RolloutExecutor:
                 len(failures),
                 len(texts),
                 index,
-                _clip(repr(texts[index])),
+                clip(repr(texts[index])),
                 why,
             )
 
@@ -155,27 +155,6 @@ class RolloutExecutor:
                 lengths, self.config.rollout.max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty
             )
         return scores, table.column("group_index").to_numpy().copy()  # writable: torch shares it
-
-    def _score(
-        self, texts: list[str], labels: list[str], finished: list[bool]
-    ) -> tuple[list[float | None], list[tuple[int, str]]]:
-        """Each sample's reward, None where the reward function raised or returned no finite number; and the
-        (index, what went wrong) of each such sample."""
-        rewards: list[float | None] = []
-        failures: list[tuple[int, str]] = []
-        for index, (text, label, done) in enumerate(zip(texts, labels, finished, strict=True)):
-            try:
-                value = self.reward_fn(text, label, done)
-            except Exception as exc:  # a user's reward function can fail on any response; only that sample fails
-                failures.append((index, f"raised {type(exc).__name__}: {exc}"))
-                rewards.append(None)
-                continue
-            if isinstance(value, numbers.Real) and math.isfinite(value):
-                rewards.append(float(value))
-            else:
-                failures.append((index, f"returned {_clip(repr(value))}"))
-                rewards.append(None)
-        return rewards, failures
 
     def get(self, rollout_id: int, trainer_version: int) -> tuple[pa.Table, dict[str, float]]:
         """The stored rollout, ready to train: stale groups dropped, advantages from the run's estimator, trimmed to
@@ -258,10 +237,6 @@ def _without_failed(table: pa.Table) -> tuple[pa.Table, int]:
     if count:  # a filter copies every column: only when there is something to leave out
         table = table.filter(pc.invert(failed))
     return table, count
-
-
-def _clip(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def summarize(table: pa.Table) -> dict[str, float]:
