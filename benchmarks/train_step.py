@@ -97,6 +97,7 @@ def _rollout_table(model_dir: Path, samples: int, prompt_tokens: int, response_t
             "status": pa.array(["completed"] * samples).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
             "weight_version": [0] * samples,
             "label": [""] * samples,
+            "prompt": [""] * samples,
         },
         schema=ROLLOUT_SCHEMA,
     )

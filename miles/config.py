@@ -47,7 +47,13 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     task: str | None = Field("addition", description="built-in task (see miles.envs); unset when `path` is given")
     path: str | None = Field(None, description="prompt dataset file (.jsonl, .parquet, .arrow)")
-    prompt_key: str = "prompt"
+    prompt_key: str = Field("prompt", description="prompt column: a string, or chat messages [{role, content}, ...]")
+    apply_chat_template: bool | None = Field(
+        None,
+        description="format prompts with the tokenizer's chat template (add_generation_prompt); unset: chat "
+        "messages are, strings are not",
+    )
+    system_prompt: str | None = Field(None, description="a system message put before each templated prompt")
     label_key: str | None = Field(
         "label", description="label column; null for data without labels (a reward that needs none)"
     )

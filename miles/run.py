@@ -20,6 +20,7 @@ from miles.checkpoint import MODEL_DIR
 from miles.cluster import ActorGroup, RestartableActor, ensure_ray
 from miles.config import ConfigError, RunConfig
 from miles.data import check_prompt_lengths, load_rows
+from miles.data.prompts import PromptFormatter
 from miles.evaluate import evaluate_checkpoint
 from miles.iterations import Iterations, PolicyInputs
 from miles.models import ensure_embedded_model
@@ -49,12 +50,15 @@ def check_inputs(config: RunConfig) -> PolicyInputs:
 
 
 def check_context(inputs: PolicyInputs, tokenizer, model: Path) -> None:
-    """Every prompt plus rollout.max_new_tokens must fit the model's context (before any work starts)."""
+    """Every prompt can be formatted for the model (a chat template where one is needed) and, with
+    rollout.max_new_tokens, fits the model's context (before any work starts)."""
     config = inputs.config
     context = AutoConfig.from_pretrained(model).max_position_embeddings
     source = config.data.path or f"task {config.data.task}"
+    prompts = PromptFormatter(tokenizer, config.data)
     try:
-        check_prompt_lengths(inputs.rows, tokenizer, config.rollout.max_new_tokens, context, source)
+        prompts.check([r["prompt"] for r in inputs.rows], str(model))
+        check_prompt_lengths(inputs.rows, prompts, config.rollout.max_new_tokens, context, source)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

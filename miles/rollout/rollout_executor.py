@@ -12,6 +12,7 @@ import torch
 
 from miles.config import RunConfig
 from miles.data import DataSource
+from miles.data.prompts import PromptFormatter
 from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
 from miles.rewards import RewardFn
 from miles.rewards.scoring import RewardScorer, clip
@@ -42,6 +43,7 @@ class RolloutExecutor:
         self.tokenizer = tokenizer
         self.data_source = data_source
         self.store = store
+        self.prompts = PromptFormatter(tokenizer, config.data)
         self.reward = RewardScorer(reward, config.data.reward_timeout_s, config.data.reward_concurrency)
         self.sampling = SamplingParams(
             temperature=config.rollout.temperature,
@@ -96,7 +98,7 @@ class RolloutExecutor:
         so they stay unique within the run."""
         cfg = self.config.rollout
         rows = self.data_source.peek(cfg.rollout_batch_size, skip=round_ * cfg.rollout_batch_size)
-        prompt_ids = self.tokenizer([r["prompt"] for r in rows])["input_ids"]
+        prompt_texts, prompt_ids = self.prompts.encode([r["prompt"] for r in rows])
         n = cfg.n_samples_per_prompt
         slot = rollout_id * cfg.max_generate_rounds + round_
         seed = rollout_seed(self.config.seed, rollout_id) + round_ * self.config.samples_per_rollout
@@ -109,9 +111,9 @@ class RolloutExecutor:
 
         labels = [r["label"] for r in rows for _ in range(n)]
         stops = self.sampling.stop_token_ids
-        texts = self.tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
+        responses = self.tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
         finished = [r.finish_reason == "stop" and bool(r.output_ids) and r.output_ids[-1] in stops for r in results]
-        rewards, failures = self.reward.score(texts, labels, finished)
+        rewards, failures = self.reward.score(responses, labels, finished)
         if failures:
             index, why = failures[0]
             log.warning(
@@ -120,9 +122,9 @@ class RolloutExecutor:
                 rollout_id,
                 self.config.data.reward,
                 len(failures),
-                len(texts),
+                len(responses),
                 index,
-                clip(repr(texts[index])),
+                clip(repr(responses[index])),
                 why,
             )
 
@@ -138,6 +140,7 @@ class RolloutExecutor:
             raw_reward=rewards,
             status=statuses,
             label=labels,
+            prompt=[text for text in prompt_texts for _ in range(n)],
         )
 
     def _differing_groups(self, table: pa.Table) -> int:

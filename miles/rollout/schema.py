@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from miles.engines.base import GenerateRequest, GenerateResult
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 STATUSES = ("completed", "truncated", "aborted", "failed")
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -32,6 +32,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("status", pa.dictionary(pa.int8(), pa.string()), nullable=False),
         pa.field("weight_version", pa.int64(), nullable=False),
         pa.field("label", pa.string()),
+        pa.field("prompt", pa.string()),  # the prompt text the model was given (after any chat template)
     ],
     metadata={"schema_version": SCHEMA_VERSION},
 )
@@ -47,6 +48,7 @@ def samples_table(
     raw_reward: Sequence[float | None],
     status: Sequence[str],
     label: Sequence[str],
+    prompt: Sequence[str] | None = None,
     advantage: Sequence[float] | None = None,
 ) -> pa.Table:
     """The rollout table of generated samples: request i and its result i make row i, numbered from `first_index`;
@@ -71,6 +73,7 @@ def samples_table(
             "status": pa.array(status, pa.string()).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
             "weight_version": pa.array([r.weight_version for r in results], pa.int64()),
             "label": pa.array(label, pa.string()),
+            "prompt": pa.nulls(count, pa.string()) if prompt is None else pa.array(prompt, pa.string()),
         },
         schema=ROLLOUT_SCHEMA,
     )
@@ -84,6 +87,16 @@ def with_rollout_metadata(table: pa.Table, **entries: str | int) -> pa.Table:
 
 def rollout_metadata(table: pa.Table) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+
+
+def upgraded(table: pa.Table) -> pa.Table:
+    """A table of an earlier schema version in today's: version 2 had no prompt text (null)."""
+    if rollout_metadata(table).get("schema_version") == "2" and "prompt" not in table.column_names:
+        table = table.append_column(ROLLOUT_SCHEMA.field("prompt"), pa.nulls(table.num_rows, pa.string()))
+        meta = dict(table.schema.metadata or {})
+        meta[b"schema_version"] = SCHEMA_VERSION.encode()
+        table = table.replace_schema_metadata(meta)
+    return table
 
 
 def check_schema(table: pa.Table, source: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from miles.atomic import atomic_file
-from miles.rollout.schema import check_schema
+from miles.rollout.schema import check_schema, upgraded
 
 
 class RolloutStore:
@@ -36,6 +36,6 @@ class RolloutStore:
     def read(self, rollout_id: int) -> pa.Table:
         path = self.path(rollout_id)
         with pa.memory_map(str(path), "r") as source:
-            table = pa.ipc.open_file(source).read_all()
+            table = upgraded(pa.ipc.open_file(source).read_all())
         check_schema(table, str(path))
         return table

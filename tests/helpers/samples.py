@@ -51,6 +51,7 @@ def rollout_table(n: int = 3, rollout_id: int = 5) -> pa.Table:
         "status": [("completed", "truncated")[i % 2] for i in range(n)],
         "weight_version": [rollout_id] * n,
         "label": [str(i) for i in range(n)],
+        "prompt": [f"prompt {i}" for i in range(n)],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

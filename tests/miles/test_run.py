@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from miles.checkpoint import latest_checkpoint, read_state
 from miles.config import ConfigError
@@ -57,6 +59,45 @@ def test_plain_loop_runs_and_records_the_run(ray_session, small_config):
     table = pa.ipc.open_file(pa.memory_map(str(run_dir / "rollouts" / "rollout_2.arrow"))).read_all()
     assert table.schema.remove_metadata().equals(ROLLOUT_SCHEMA.remove_metadata())
     assert table.num_rows == 32
+    prompts = table.column("prompt").to_pylist()  # the text each sample's prompt_ids encode
+    assert len(set(prompts)) == 8 and all(p.endswith("=") for p in prompts)  # 8 prompts x 4 samples
+
+
+def test_chat_messages_reach_the_engine_through_the_models_chat_template(
+    ray_session, small_config, tiny_model_dir, tmp_path
+):
+    model = tmp_path / "chat-model"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    )
+    tokenizer.save_pretrained(model)
+    data = tmp_path / "chat.jsonl"
+    questions = [("12+30", "42"), ("7+8", "15")]
+    data.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": q}], "label": a}) + "\n" for q, a in questions)
+    )
+    config = small_config(
+        "data.task=null",
+        f"data.path={data}",
+        "data.prompt_key=messages",
+        f"model.path={model}",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+        num_rollout=1,
+    )
+    run_sync(config)
+    table = RunDir(config.run_dir).path / "rollouts" / "rollout_0.arrow"
+    table = pa.ipc.open_file(pa.memory_map(str(table))).read_all()
+    by_text = dict(zip(table.column("prompt").to_pylist(), table.column("prompt_ids").to_pylist(), strict=True))
+    assert set(by_text) == {"12+30=", "7+8="}
+    for question, _ in questions:
+        messages = [{"role": "user", "content": question}]
+        expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert by_text[question + "="] == expected
 
 
 def test_resume_after_a_stopped_run_continues_at_the_next_rollout(ray_session, small_config):

@@ -11,6 +11,7 @@ import pytest
 
 from miles.config import DataConfig
 from miles.data import check_prompt_lengths, load_rows
+from miles.data.prompts import PromptFormatter
 from miles.envs import task_rows
 
 RECORDS = [
@@ -191,7 +192,9 @@ def test_corrupt_parquet(tmp_path):
 def test_prompts_that_fit_the_context_pass_even_when_one_fills_it_exactly(tokenizer):
     rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "12+34=", "label": "46"}]
     longest = max(len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"])
-    check_prompt_lengths(rows, tokenizer, max_new_tokens=4, context=longest + 4, source="task addition")
+    check_prompt_lengths(
+        rows, PromptFormatter(tokenizer, DataConfig()), max_new_tokens=4, context=longest + 4, source="task addition"
+    )
 
 
 def test_a_prompt_too_long_for_the_context_names_file_and_row(tmp_path, tokenizer):
@@ -204,7 +207,9 @@ def test_a_prompt_too_long_for_the_context_names_file_and_row(tmp_path, tokenize
     assert lengths[1] + 8 > context  # so rows 2 and 3 are both too long, and the first of them is named
 
     with pytest.raises(ValueError) as info:
-        check_prompt_lengths(rows, tokenizer, max_new_tokens=8, context=context, source=str(path))
+        check_prompt_lengths(
+            rows, PromptFormatter(tokenizer, DataConfig()), max_new_tokens=8, context=context, source=str(path)
+        )
     assert str(info.value) == (
         f"{path}: row 2: the prompt is {lengths[1]} tokens; with rollout.max_new_tokens=8 it exceeds the model's "
         f"context of {context} tokens (max_position_embeddings)"
@@ -215,4 +220,6 @@ def test_one_token_over_the_context_is_too_long(tokenizer):
     rows = [{"prompt": "9+9=", "label": "18"}]
     length = len(tokenizer(["9+9="])["input_ids"][0])
     with pytest.raises(ValueError, match="task addition: row 1: .* exceeds the model's context"):
-        check_prompt_lengths(rows, tokenizer, max_new_tokens=4, context=length + 3, source="task addition")
+        check_prompt_lengths(
+            rows, PromptFormatter(tokenizer, DataConfig()), max_new_tokens=4, context=length + 3, source="task addition"
+        )

@@ -314,7 +314,7 @@ class _DigitTokenizer:
     eos_token_id = 2
     name_or_path = ""  # built in memory: no model files to read more EOS ids from
 
-    def __call__(self, prompts):
+    def __call__(self, prompts, add_special_tokens=True):
         return {"input_ids": [[1, int(p)] for p in prompts]}
 
     def batch_decode(self, ids, skip_special_tokens):

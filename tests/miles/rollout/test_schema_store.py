@@ -44,6 +44,18 @@ def test_round_trip(tmp_path):
     assert meta == {"schema_version": SCHEMA_VERSION, "rollout_id": "5", "weight_version": "7"}
 
 
+def test_a_rollout_stored_before_the_prompt_column_reads_with_null_prompts(tmp_path):
+    """Schema version 2 had no prompt text: a run directory from then resumes."""
+    store = RolloutStore(RunDir(tmp_path).rollouts)
+    table = with_rollout_metadata(rollout_table(), rollout_id=5)
+    old = table.drop_columns(["prompt"]).replace_schema_metadata({**table.schema.metadata, b"schema_version": b"2"})
+    with pa.OSFile(str(store.path(5)), "wb") as sink, pa.ipc.new_file(sink, old.schema) as writer:
+        writer.write_table(old)
+    read = store.read(5)
+    assert read.column("prompt").to_pylist() == [None] * 3 and rollout_metadata(read)["schema_version"] == "3"
+    assert read.drop_columns(["prompt"]).to_pylist() == old.to_pylist()
+
+
 def test_overwrite_replaces(tmp_path):
     store = RolloutStore(RunDir(tmp_path).rollouts)
     store.write(1, rollout_table(3))

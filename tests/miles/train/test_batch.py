@@ -49,6 +49,7 @@ def rollout_table(samples) -> pa.Table:
         "status": ["completed"] * n,
         "weight_version": [0] * n,
         "label": ["x"] * n,
+        "prompt": ["p"] * n,
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

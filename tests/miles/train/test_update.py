@@ -47,6 +47,7 @@ def _one_token_rollout(advantage: float) -> pa.Table:
         "status": ["completed"],
         "weight_version": [0],
         "label": [""],
+        "prompt": ["p"],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
