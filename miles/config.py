@@ -46,7 +46,12 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     task: str | None = Field("addition", description="built-in task (see miles.envs); unset when `path` is given")
-    path: str | None = Field(None, description="prompt dataset file (.jsonl, .parquet, .arrow)")
+    path: str | None = Field(
+        None,
+        description="prompt data: a .jsonl, .parquet or .arrow file, a directory saved by Hugging Face datasets, "
+        "or a directory or glob of parquet shards",
+    )
+    split: str | None = Field(None, description="the split of a saved DatasetDict or of sharded data; unset: train")
     prompt_key: str = Field("prompt", description="prompt column: a string, or chat messages [{role, content}, ...]")
     apply_chat_template: bool | None = Field(
         None,

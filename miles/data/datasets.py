@@ -1,8 +1,12 @@
-"""Load prompt/label rows from JSONL, Parquet or Arrow files, with errors that name the file and row."""
+"""Load prompt/label rows with errors that name the file and row: a JSONL, Parquet or Arrow file; a directory saved
+by Hugging Face `datasets` (`save_to_disk`, one split picked by data.split); a directory or glob of Parquet shards.
+Only the prompt and label columns are read into Python, once per run (epochs reorder indices, not rows)."""
 
 from __future__ import annotations
 
+import glob
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,13 +16,16 @@ from miles.config import DataConfig
 from miles.data.prompts import PromptFormatter
 from miles.envs import task_rows
 
+_SHARD = re.compile(r"^(.+?)-\d{5}-of-\d{5}\.parquet$")
+
 
 def load_rows(config: DataConfig) -> list[dict]:
     """The dataset's rows as {"prompt", "label"} dicts, from the built-in task or the file; a prompt is a string or
     chat messages."""
     if config.task is not None:
         return task_rows(config.task)
-    return _read_file(Path(config.path), config.prompt_key, config.label_key, config.apply_chat_template)
+    source, records = _read_records(config.path, config.split, [config.prompt_key, config.label_key or ""])
+    return _rows(source, records, config.prompt_key, config.label_key, config.apply_chat_template)
 
 
 def check_prompt_lengths(
@@ -35,9 +42,22 @@ def check_prompt_lengths(
             )
 
 
-def _read_file(path: Path, prompt_key: str, label_key: str | None, apply_chat_template: bool | None) -> list[dict]:
+def _read_records(spec: str, split: str | None, columns: list[str]) -> tuple[str, list]:
+    """(what to call the source in errors, its records as dicts of `columns`) from a file, a directory or a glob."""
+    if glob.has_magic(spec):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not files:
+            raise ValueError(f"data.path: {spec} matches no file")
+        return spec, _parquet_records(files, columns, spec)
+    path = Path(spec)
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            return _saved_dataset(path, split, columns)
+        return _parquet_shards(path, split, columns)
     if not path.is_file():
-        raise ValueError(f"data.path: {path} does not exist or is not a file")
+        raise ValueError(f"data.path: {path} does not exist")
+    if split is not None:
+        raise ValueError(f"data.split={split}: {path} is one file; splits are directories or shard names")
     suffix = path.suffix.lower()
     try:
         if suffix == ".jsonl":
@@ -49,35 +69,97 @@ def _read_file(path: Path, prompt_key: str, label_key: str | None, apply_chat_te
                     records.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}: row {line_no} is not valid JSON ({exc.msg})") from None
-        elif suffix == ".parquet":
-            records = pq.read_table(path).to_pylist()
-        elif suffix in (".arrow", ".feather"):
+            return str(path), records
+        if suffix == ".parquet":
+            return str(path), _parquet_records([path], columns, str(path))
+        if suffix in (".arrow", ".feather"):
             with pa.memory_map(str(path), "r") as source:
-                records = pa.ipc.open_file(source).read_all().to_pylist()
-        else:
-            raise ValueError(f"data.path: {path} has an unknown format; use .jsonl, .parquet or .arrow")
+                return str(path), _records(pa.ipc.open_file(source).read_all(), columns)
     except (OSError, pa.ArrowInvalid) as exc:
         raise ValueError(f"data.path: cannot read {path}: {exc}") from None
+    raise ValueError(f"data.path: {path} has an unknown format; use .jsonl, .parquet or .arrow, or a directory")
+
+
+def _records(table: pa.Table, columns: list[str]) -> list[dict]:
+    """The rows of the columns the run reads (not the whole table) as dicts."""
+    return table.select([c for c in dict.fromkeys(columns) if c in table.column_names]).to_pylist()
+
+
+def _parquet_records(files: list[Path], columns: list[str], source: str) -> list[dict]:
+    try:
+        return [row for path in files for row in _records(pq.read_table(path), columns)]
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise ValueError(f"data.path: cannot read {source}: {exc}") from None
+
+
+def _saved_dataset(path: Path, split: str | None, columns: list[str]) -> tuple[str, list]:
+    """A directory written by Hugging Face `datasets` (`save_to_disk`): one dataset, or one split of several."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"data.path: {path} is a directory saved by Hugging Face datasets; reading it needs that library: "
+            "pip install 'miles-flow[datasets]'"
+        ) from None
+    loaded = datasets.load_from_disk(str(path))
+    source = str(path)
+    if isinstance(loaded, datasets.DatasetDict):
+        name = split or ("train" if "train" in loaded else None)
+        if name not in loaded:
+            raise ValueError(f"data.split: {path} has the splits {sorted(loaded)}; set data.split to one of them")
+        loaded, source = loaded[name], f"{path} (split {name})"
+    elif split is not None:
+        raise ValueError(f"data.split={split}: {path} is a single dataset, not a set of splits")
+    return source, loaded.select_columns([c for c in dict.fromkeys(columns) if c in loaded.column_names]).to_list()
+
+
+def _parquet_shards(path: Path, split: str | None, columns: list[str]) -> tuple[str, list]:
+    """A directory of parquet shards, as `datasets` and the Hub keep them: `<split>-00000-of-00002.parquet`
+    files, or one directory per split; without data.split, the `train` split when there are several."""
+    files = sorted(path.rglob("*.parquet"))
+    if not files:
+        raise ValueError(f"data.path: {path} holds no .parquet files (nor a dataset saved by Hugging Face datasets)")
+    by_split: dict[str, list[Path]] = {}
+    for file in files:
+        by_split.setdefault(_split_of(file, path), []).append(file)
+    name = split or ("train" if len(by_split) > 1 else next(iter(by_split)))
+    if name not in by_split:
+        raise ValueError(f"data.split: {path} has the splits {sorted(by_split)}; set data.split to one of them")
+    return f"{path} (split {name})", _parquet_records(by_split[name], columns, str(path))
+
+
+def _split_of(file: Path, root: Path) -> str:
+    """The split a shard belongs to: the name before `-00000-of-00002`, else its directory under `root`."""
+    match = _SHARD.match(file.name)
+    if match:
+        return match.group(1)
+    parts = file.relative_to(root).parts
+    return parts[-2] if len(parts) > 1 else "train"
+
+
+def _rows(
+    source: str, records: list, prompt_key: str, label_key: str | None, apply_chat_template: bool | None
+) -> list[dict]:
     if not records:
-        raise ValueError(f"data.path: {path} holds no rows")
+        raise ValueError(f"data.path: {source} holds no rows")
     rows = []
     for index, record in enumerate(records, start=1):
         if not isinstance(record, dict) or prompt_key not in record:
-            raise ValueError(f"{path}: row {index} has no {prompt_key!r} column (data.prompt_key)")
+            raise ValueError(f"{source}: row {index} has no {prompt_key!r} column (data.prompt_key)")
         prompt = record[prompt_key]
         if isinstance(prompt, list):
-            _check_messages(prompt, f"{path}: row {index}: {prompt_key!r}")
+            _check_messages(prompt, f"{source}: row {index}: {prompt_key!r}")
             if apply_chat_template is False:
                 raise ValueError(
-                    f"{path}: row {index}: {prompt_key!r} holds chat messages, which go through the chat template: "
+                    f"{source}: row {index}: {prompt_key!r} holds chat messages, which go through the chat template: "
                     "data.apply_chat_template must not be false"
                 )
         elif not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{path}: row {index}: {prompt_key!r} must be a non-empty string or chat messages")
+            raise ValueError(f"{source}: row {index}: {prompt_key!r} must be a non-empty string or chat messages")
         label = None if label_key is None else record.get(label_key)
         if label_key is not None and label is None:
             raise ValueError(
-                f"{path}: row {index} has no {label_key!r} value (data.label_key; set it to null for data without labels)"
+                f"{source}: row {index} has no {label_key!r} value (data.label_key; set it to null for data without labels)"
             )
         rows.append({"prompt": prompt, "label": "" if label is None else str(label)})
     return rows

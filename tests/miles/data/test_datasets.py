@@ -223,3 +223,51 @@ def test_one_token_over_the_context_is_too_long(tokenizer):
         check_prompt_lengths(
             rows, PromptFormatter(tokenizer, DataConfig()), max_new_tokens=4, context=length + 3, source="task addition"
         )
+
+
+def _saved(tmp_path, splits: dict[str, list[dict]]):
+    import datasets
+
+    path = tmp_path / "saved"
+    datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}).save_to_disk(path)
+    return path
+
+
+def test_a_directory_saved_by_datasets_reads_its_split(tmp_path):
+    records = [{"question": r["question"], "answer": str(r["answer"]), "extra": r["extra"]} for r in RECORDS]
+    path = _saved(tmp_path, {"train": records, "test": records[:1]})
+    assert load_rows(_config(path)) == EXPECTED  # train unless data.split says otherwise
+    test = _config(path).model_copy(update={"split": "test"})
+    assert load_rows(test) == EXPECTED[:1]
+    with pytest.raises(ValueError, match=r"data.split: .* has the splits \['test', 'train'\]"):
+        load_rows(_config(path).model_copy(update={"split": "validation"}))
+
+
+def test_a_single_saved_dataset_and_its_bad_rows_are_named(tmp_path):
+    import datasets
+
+    path = tmp_path / "one"
+    datasets.Dataset.from_list([{"question": "1+1=", "answer": "2"}, {"question": "", "answer": "3"}]).save_to_disk(
+        path
+    )
+    with pytest.raises(ValueError, match=rf"{path}: row 2: 'question' must be a non-empty string"):
+        load_rows(_config(path))
+    with pytest.raises(ValueError, match="is a single dataset, not a set of splits"):
+        load_rows(_config(path).model_copy(update={"split": "train"}))
+
+
+def test_parquet_shards_by_split_in_a_directory_or_a_glob(tmp_path):
+    shards = tmp_path / "data"
+    shards.mkdir()
+    records = [{"question": r["question"], "answer": str(r["answer"])} for r in RECORDS]
+    pq.write_table(pa.Table.from_pylist(records[:2]), shards / "train-00000-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(records[2:]), shards / "train-00001-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(records[:1]), shards / "test-00000-of-00001.parquet")
+    assert load_rows(_config(tmp_path)) == EXPECTED  # the train shards, in order
+    assert load_rows(_config(tmp_path).model_copy(update={"split": "test"})) == EXPECTED[:1]
+    assert load_rows(_config(str(shards / "train-*.parquet"))) == EXPECTED
+    with pytest.raises(ValueError, match="matches no file"):
+        load_rows(_config(str(shards / "dev-*.parquet")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no .parquet files"):
+        load_rows(_config(tmp_path / "empty"))
