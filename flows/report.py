@@ -1,4 +1,5 @@
-"""What every RL flow shows in the UI: progress, a per-iteration metrics table, a markdown summary, the reward curve."""
+"""What every RL flow shows in the UI: progress, a per-iteration metrics table, a markdown summary with the reward
+curve drawn in it (a data-URI PNG, so the UI needs no file server)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prefect.artifacts import (
 )
 
 from miles.multi_lora import AdapterRun
+from miles.plots import data_uri
 from miles.run import RLRun
 from tasks.history import finished_task_runs
 
@@ -77,6 +79,8 @@ class RunReport:
             f"| rollouts (Arrow IPC) | `{run_dir.rollouts.resolve()}` |",
             f"| metrics | `{run_dir.metrics_path.resolve()}` |",
             f"| reward curve | `{curve.resolve()}` |",
+            "",
+            f"![reward curve of {run_dir.path.name}]({data_uri(curve)})",
         ]
         create_markdown_artifact(key=f"{self.flow_name}-summary", markdown="\n".join(lines), description="run summary")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -31,3 +32,8 @@ def plot_reward_curve(metrics_path: Path, out: Path, window: int = 20) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def data_uri(png: Path) -> str:
+    """The PNG inline, as a `data:` URI: a markdown image that needs no file server (the Prefect UI shows it)."""
+    return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode("ascii")

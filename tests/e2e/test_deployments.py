@@ -164,12 +164,14 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (.ci/run installs it)")
-def test_the_ui_shows_the_flow_run_and_its_task_runs(served, first_run, tmp_path):
+def test_the_ui_shows_the_flow_run_its_task_runs_and_the_reward_curve(served, first_run, tmp_path):
     from playwright.sync_api import sync_playwright
 
     api, _, _ = served
     flow_run_id, _ = first_run
     ui = api.removesuffix("/api")
+    artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    summary_id = next(a["id"] for a in artifacts.json() if a["type"] == "markdown")
     with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=str(CHROMIUM),
@@ -190,6 +192,14 @@ def test_the_ui_shows_the_flow_run_and_its_task_runs(served, first_run, tmp_path
             for name in ("generate[rollout=0]", "get[rollout=0]", "train_step[rollout=0]", "sync_weights[rollout=0]"):
                 page.get_by_text(name, exact=True).first.wait_for(timeout=60_000)
             page.screenshot(path=str(tmp_path / "flow-run.png"), full_page=True)
+
+            # The run summary draws the reward curve itself: an image the browser decoded, not a file path.
+            page.goto(f"{ui}/artifacts/artifact/{summary_id}")
+            curve = page.locator("img[src^='data:image/png;base64,']").first
+            curve.wait_for(timeout=60_000)
+            width = curve.evaluate("img => img.complete ? img.naturalWidth : 0")
+            page.screenshot(path=str(tmp_path / "summary.png"), full_page=True)
         finally:
             browser.close()
     assert (tmp_path / "flow-run.png").stat().st_size > 10_000
+    assert width == 700  # the PNG's own width (7 in at 100 dpi): the image loaded

@@ -1,8 +1,10 @@
 """The rl-sync flow end to end on the tiny model, read back from the Prefect API."""
 
 import asyncio
+import base64
 import json
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -41,7 +43,10 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
     expected = [f"{task}[rollout={i}]" for i in (0, 1) for task in ("generate", "get", "train_step", "sync_weights")]
     assert set(expected) | {"save_checkpoint[rollout=1]", "evaluate[rollout=1]"} == set(names)
     assert all(r.state.is_completed() for r in task_runs)
-    assert {a.type for a in artifacts} >= {"progress", "table"}
+    assert {a.type for a in artifacts} >= {"progress", "table", "markdown"}
+    summary = next(a for a in artifacts if a.type == "markdown").data
+    image = re.search(r"!\[reward curve of run\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", summary)
+    assert image and base64.b64decode(image.group(1)) == (Path(config.run_dir) / "reward_curve.png").read_bytes()
     table = next(a for a in artifacts if a.type == "table")
     assert [row["rollout_id"] for row in json.loads(table.data)] == [0, 1]
     assert [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from miles.config import ConfigError, RunConfig, load_config
@@ -16,6 +18,12 @@ def test_defaults_validate():
     assert config.train.global_batch_size % config.train.micro_batch_size == 0
     assert config.samples_per_rollout == config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
     assert config.data.task == "addition" and config.data.path is None
+
+
+@pytest.mark.parametrize("path", sorted(Path("deployments/configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    config = load_config(path)
+    assert config.num_rollout > 0
 
 
 def test_yaml_then_overrides_then_kwargs(tmp_path):
