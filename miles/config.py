@@ -109,6 +109,14 @@ class SGLangConfig(_Section):
     )
 
 
+class LoggingConfig(_Section):
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="experiment trackers, each an optional extra (pip install 'miles-flow[tensorboard]', ...)",
+    )
+    project: str = Field("miles-flow", description="the MLflow experiment and the W&B project")
+
+
 class RolloutConfig(_Section):
     engine: Literal["torch", "sglang"] = Field(
         "torch", description="torch: TorchEngine actors; sglang: SGLang servers (make install-gpu)"
@@ -334,6 +342,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
+    logging: LoggingConfig = LoggingConfig()
     adapters: list[AdapterConfig] = Field(
         default_factory=list,
         description="LoRA adapters of the multi-LoRA flow; unset on the embedded model: one per built-in task",

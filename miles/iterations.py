@@ -26,6 +26,7 @@ from miles.rollout.rollout_executor import RolloutExecutor, summarize
 from miles.rollout.schema import rollout_metadata
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
+from miles.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,13 @@ class Iterations:
         # Rollouts trained so far; the trainer is at version rollout_id + 1 after training rollout_id.
         self.trainer_version = plan.first_rollout_id
         self._recorded_ids = self.run_dir.keep_metrics_before(plan.first_rollout_id)
+        self.trackers = Trackers(
+            self.config.logging.trackers,
+            self.run_dir,
+            self.config.model_dump(mode="json"),
+            self.config.logging.project,
+            name=adapter or self.run_dir.path.name,
+        )
         self._timings: dict[int, dict[str, float]] = {}
         self._summaries: dict[int, dict[str, Any]] = {}
         self._metrics: dict[int, dict[str, float]] = {}
@@ -164,7 +172,13 @@ class Iterations:
         if record["rollout_id"] not in self._recorded_ids:
             self.run_dir.append_metrics(record)
             self._recorded_ids.add(record["rollout_id"])
+        self.trackers.log(record)  # after metrics.jsonl, which a resumed run catches the trackers up from
 
     def plot_reward_curve(self) -> Path:
-        """reward_curve.png from metrics.jsonl (the whole run, every start)."""
-        return plot_reward_curve(self.run_dir.metrics_path, self.run_dir.reward_curve_path)
+        """reward_curve.png from metrics.jsonl (the whole run, every start), also sent to the trackers."""
+        curve = plot_reward_curve(self.run_dir.metrics_path, self.run_dir.reward_curve_path)
+        self.trackers.log_image("reward_curve", curve, max(self._recorded_ids, default=0))
+        return curve
+
+    def close(self) -> None:
+        self.trackers.close()

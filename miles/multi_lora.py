@@ -201,6 +201,7 @@ class MultiLoRARun:
                     initial_model=self.initial_model,
                     progress=progress,
                 )
+                started.callback(self.adapters[adapter.name].iterations.close)
             progress.update(sum(a.plan.first_rollout_id for a in self.adapters.values()))
             self._record_start()
             self._resources = started.pop_all()

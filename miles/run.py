@@ -106,6 +106,7 @@ class RLRun:
             self.controller = self._start_engines(plan)
             started.callback(self.controller.shutdown)
             self.iterations = Iterations(inputs, plan, self.controller, tokenizer)
+            started.callback(self.iterations.close)
             self.trainer = RestartableActor("trainer", self._restored_trainer)
             started.callback(self.trainer.kill)
             self._weight_group = DistributedTransport(

@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer
 
 from miles.checkpoint import latest_checkpoint, read_state
@@ -37,7 +38,7 @@ def test_miles_imports_no_prefect():
 
 
 def test_plain_loop_runs_and_records_the_run(ray_session, small_config):
-    config = small_config(num_rollout=3, save_interval=2)
+    config = small_config("logging.trackers=[tensorboard]", num_rollout=3, save_interval=2)
     records = run_sync(config)
     run_dir = Path(config.run_dir)
 
@@ -59,6 +60,8 @@ def test_plain_loop_runs_and_records_the_run(ray_session, small_config):
     table = pa.ipc.open_file(pa.memory_map(str(run_dir / "rollouts" / "rollout_2.arrow"))).read_all()
     assert table.schema.remove_metadata().equals(ROLLOUT_SCHEMA.remove_metadata())
     assert table.num_rows == 32
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [0, 1, 2]  # the tracker's steps are rollout ids
     prompts = table.column("prompt").to_pylist()  # the text each sample's prompt_ids encode
     assert len(set(prompts)) == 8 and all(p.endswith("=") for p in prompts)  # 8 prompts x 4 samples
 
