@@ -23,7 +23,7 @@ with SGLang's request fields, response JSON and status codes:
 It generates with a TorchEngine, so tokens and log-probs are real; as SGLang, it honours `sampling_seed` only with
 `--enable-deterministic-inference`. `/test_fault` is its own, not SGLang's: it makes every later request answer an
 HTTP error, as a server whose scheduler crashed does, every log-prob come back null (`null_logprobs`), or the next
-disk or distributed load take the server down (`die_on_load`).
+disk or distributed load take the server down (`die_on_load`), or every batch take `generate_delay_s` longer.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class StandInServer:
         self.die_on_load = False  # /test_fault: the next weight load takes the server down, as a failed one can
         self.running = 0
         self.abort_epoch = 0
+        self.generate_delay_s = 0.0
         self.weight_groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._paused = False
         self._state = threading.Condition()
@@ -105,6 +106,7 @@ class StandInServer:
             self.running += 1
             epoch = self.abort_epoch
         try:
+            time.sleep(self.generate_delay_s)  # /test_fault: a batch that takes a while, to act on while it runs
             with self._engine_lock:
                 results = self.engine.generate(requests)
         finally:
@@ -379,6 +381,7 @@ def build_app(server: StandInServer) -> FastAPI:
         server.fault_status = body.get("status")
         server.null_logprobs = body.get("null_logprobs", False)
         server.die_on_load = body.get("die_on_load", False)
+        server.generate_delay_s = body.get("generate_delay_s", 0.0)
         return {"success": True}
 
     @app.get("/health")

@@ -181,8 +181,8 @@ def test_a_broadcast_under_names_the_server_lacks_is_caught_by_the_check(engine,
 def test_a_pause_in_abort_mode_aborts_the_running_batch(engine, tokenizer):
     """As SGLang's /pause_generation (mode abort): the requests running then end with finish reason abort, which
     the engine reports as an error (nothing here pauses a generation, so an abort is the server's failure)."""
-    no_stop = SamplingParams(max_new_tokens=48)  # runs a while
-    requests = [GenerateRequest(prompt_ids=tokenizer(p)["input_ids"], sampling=no_stop) for p in ADAPTER_PROMPTS * 8]
+    httpx.post(f"{engine.url}/test_fault", json={"generate_delay_s": 2.0}, trust_env=False).raise_for_status()
+    requests = make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=4)
     outcome: list[BaseException] = []
 
     def generate():
