@@ -74,6 +74,25 @@ def leave(process_group: dist.ProcessGroup) -> None:
         pass  # a group broken by a dead peer may be half torn down already; nothing of it is used again
 
 
+class Membership:
+    """This process's place in the weight-update group of the moment: a new group (a new name) is joined after the
+    old one is left."""
+
+    def __init__(self):
+        self._current: tuple[str, dist.ProcessGroup] | None = None
+
+    def of(self, group: WeightGroup, rank: int) -> dist.ProcessGroup:
+        if self._current is None or self._current[0] != group.group_name:
+            self.leave()
+            self._current = (group.group_name, join(group, rank))
+        return self._current[1]
+
+    def leave(self) -> None:
+        if self._current is not None:
+            leave(self._current[1])
+            self._current = None
+
+
 def tensor_specs(named_tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
     return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in named_tensors.items()]
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
 from miles.engines.base import GenerateRequest, GenerateResult, check_adapters_loaded, read_safetensors
 from miles.train.lora import is_adapter_key
-from miles.weight_group import TensorSpec, WeightGroup, first_rows, join, leave, receive_bucket
+from miles.weight_group import Membership, TensorSpec, WeightGroup, first_rows, receive_bucket
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 _MASK32 = 0xFFFFFFFF
@@ -30,7 +29,7 @@ class TorchEngine:
         self.pad_token_id = self.model.config.pad_token_id or 0
         self._weight_version = weight_version
         self._adapter_versions: dict[str, int] = {}
-        self._weight_update: tuple[str, dist.ProcessGroup] | None = None  # (name, group) of the weight-update group
+        self._weight_group = Membership()
 
     def weight_version(self) -> int:
         return self._weight_version
@@ -99,7 +98,7 @@ class TorchEngine:
         for a name the model does not have), for the sender to check."""
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
-        process_group = self._join(group, rank_offset)
+        process_group = self._weight_group.of(group, rank_offset)
         parameters = self.model.state_dict()
         for specs in buckets:  # every bucket is received, whatever it holds, so the broadcast stays in step
             for name, tensor in receive_bucket(process_group, specs, self.device, load_format, parameters).items():
@@ -109,14 +108,6 @@ class TorchEngine:
         names = [name for specs in buckets for name, _, _ in specs]
         held = first_rows({name: parameters[name] for name in names if name in parameters})
         return {name: held.get(name) for name in names}
-
-    def _join(self, group: WeightGroup, rank: int) -> dist.ProcessGroup:
-        if self._weight_update is None or self._weight_update[0] != group.group_name:
-            if self._weight_update is not None:
-                leave(self._weight_update[1])
-            self._weight_update = None  # a failed join leaves none behind
-            self._weight_update = (group.group_name, join(group, rank))
-        return self._weight_update[1]
 
     def _adapter_kwargs(self, requests: list[GenerateRequest]) -> dict:
         check_adapters_loaded(requests, self._adapter_versions)

@@ -29,7 +29,7 @@ from miles.config import RunConfig
 from miles.run_dir import RunDir
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, shard_model
 from miles.train.update import batch_logprobs, train_on_rollout
-from miles.weight_group import TensorSpec, WeightGroup, first_rows, join, leave, send_bucket
+from miles.weight_group import Membership, TensorSpec, WeightGroup, first_rows, send_bucket
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class TrainActor:
             self.ref_model = self._load(Path(model_dir)).eval()
             self.ref_model.requires_grad_(False)
         self.ledger = self.run_dir.ledger()
-        self._weight_update: tuple[str, dist.ProcessGroup] | None = None  # rank 0: (name, group) it broadcasts over
+        self._weight_group = Membership()  # rank 0's place in the weight-update group it broadcasts over
 
     def _load(self, source: Path) -> torch.nn.Module:
         train = self.config.train
@@ -158,7 +158,7 @@ class TrainActor:
         rows: dict[str, list] = {}
         error = None
         try:
-            process_group = self._weight_group(group) if sending else None
+            process_group = self._weight_group.of(group, rank=0) if sending else None
         except RuntimeError as exc:
             error = exc
         for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device, copy=False):
@@ -171,20 +171,9 @@ class TrainActor:
                 except RuntimeError as exc:
                     error = exc
         if error is not None:
-            self._leave_weight_group()
+            self._weight_group.leave()
             return {"error": f"broadcast over weight-update group {group.group_name} failed: {error}"}
         return {"first_rows": rows}
-
-    def _weight_group(self, group: WeightGroup) -> dist.ProcessGroup:
-        if self._weight_update is None or self._weight_update[0] != group.group_name:
-            self._leave_weight_group()
-            self._weight_update = (group.group_name, join(group, rank=0))
-        return self._weight_update[1]
-
-    def _leave_weight_group(self) -> None:
-        if self._weight_update is not None:
-            leave(self._weight_update[1])
-            self._weight_update = None
 
     def write_weights(self, directory: str) -> str:
         """Write the full weights as a Hugging Face model directory an engine loads (rank 0; every rank gathers):
