@@ -11,10 +11,8 @@ Last line: `speedup <sync seconds per iteration / async seconds per iteration>`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
-from pathlib import Path
 
 from flows.runtime import configure_prefect
 
@@ -23,6 +21,7 @@ configure_prefect()
 from flows.async_rl import async_rl  # noqa: E402
 from flows.sync_rl import sync_rl  # noqa: E402
 from miles.config import load_config  # noqa: E402
+from miles.run_dir import RunDir
 
 BALANCED = [
     "rollout.num_threads=1",
@@ -41,7 +40,7 @@ def _measure(flow, overrides: list[str], iterations: int) -> dict[str, float]:
     state = flow(config, return_state=True)
     if not state.is_completed():
         raise SystemExit(f"{flow.name} ended {state.name}: {state.message}")
-    records = [json.loads(line) for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    records = RunDir(config.run_dir).metrics()
     return {
         "s_per_iteration": (records[-1]["finished_at"] - records[0]["finished_at"]) / (len(records) - 1),
         **{

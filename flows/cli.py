@@ -53,10 +53,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{prefix}done: {summary['rollouts_trained']} rollouts trained in {summary['run_dir']}; "
             f"final reward {summary['final_reward_mean']:.3f}"
         )
-        if "greedy_accuracy_final" in summary:
+        for dataset, evaluations in summary["eval"].items():
+            first, last = evaluations[0], evaluations[-1]
             print(
-                f"{prefix}greedy accuracy on 200 held-out prompts: {summary['greedy_accuracy_initial']:.3f} (starting model) "
-                f"-> {summary['greedy_accuracy_final']:.3f} (final checkpoint)"
+                f"{prefix}eval {dataset} ({first['prompts']} prompts), mean reward: {first['reward_mean']:.3f} "
+                f"(rollout {first['rollout_id']}) -> {last['reward_mean']:.3f} (rollout {last['rollout_id']})"
             )
     return 0
 

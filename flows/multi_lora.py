@@ -2,16 +2,16 @@
 
     for each adapter, concurrently (Prefect futures):
         for rollout_id in its start .. num_steps - 1:
+            evaluate(adapter, rollout_id)            # when due (its eval.*), beside its generation
             generate(adapter, rollout_id)            # the engines batch this with the other adapters' requests
             table = get(adapter, rollout_id)
             train_step(adapter, rollout_id, table)   # this adapter's optimizer only
-            push_adapter(adapter, rollout_id)        # only this adapter changes on the engines
+            push_adapter(adapter, rollout_id)        # only this adapter changes on the engines (after its evaluation)
             save_checkpoint(adapter, rollout_id)     # every save_interval and at its end: a PEFT directory
+        evaluate(adapter, num_steps)                 # its final weights
         retire_adapter(adapter)                      # after its last step: unloaded; the other adapters go on
-    for each adapter:
-        evaluate(adapter, its last rollout_id)       # greedy accuracy of the base vs base + adapter on its task
 
-An adapter's final rollout retires it instead of pushing it. Each adapter has its own directory, progress,
+An adapter's final rollout is pushed only for its final evaluation. Each adapter has its own directory, progress,
 metrics table and summary in the UI; a run dir that holds adapter checkpoints resumes each adapter after its
 latest one.
 """
@@ -38,21 +38,26 @@ def multi_lora(config: RunConfig) -> dict:
         for adapter, rollout_id in concurrently(adapters, submit_iteration):
             reports[adapter.name].iteration_done(rollout_id)
         for adapter in adapters:
-            reports[adapter.name].finish(evaluate(adapter, adapter.rollout_ids()[-1]))
+            reports[adapter.name].finish()
     return {name: report.summary() for name, report in reports.items()}
 
 
 def submit_iteration(adapter: AdapterRun, rollout_id: int) -> PrefectFuture:
     """One rollout of one adapter as a chain of futures; returns the chain's last future."""
+    evaluation = evaluate.submit(adapter, rollout_id) if adapter.should_evaluate(rollout_id) else None
     generated = generate.submit(adapter, rollout_id)
     table = get.submit(adapter, rollout_id, wait_for=[generated])
     last = train_step.submit(adapter, rollout_id, table)
-    if not adapter.is_last(rollout_id):
-        last = push_adapter.submit(adapter, rollout_id, wait_for=[last])
+    # The adapter changes on the engines, and the chain ends, only after its evaluation.
+    evaluated = [evaluation] if evaluation is not None else []
+    if adapter.should_push(rollout_id):
+        last = push_adapter.submit(adapter, rollout_id, wait_for=[last, *evaluated])
     if adapter.should_save(rollout_id):
-        last = save_checkpoint.submit(adapter, rollout_id, wait_for=[last])
+        last = save_checkpoint.submit(adapter, rollout_id, wait_for=[last, *evaluated])
     if adapter.is_last(rollout_id):
-        last = retire_adapter.submit(adapter, wait_for=[last])
+        if adapter.should_evaluate(rollout_id + 1):
+            last = evaluate.submit(adapter, rollout_id + 1, wait_for=[last])
+        last = retire_adapter.submit(adapter, wait_for=[last, *evaluated])
     return last
 
 

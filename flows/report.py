@@ -1,5 +1,6 @@
 """What every RL flow shows in the UI: progress, a per-iteration metrics table, a markdown summary with the reward
-curve drawn in it (a data-URI PNG, so the UI needs no file server)."""
+curve and each eval data set's curve drawn in it (data-URI PNGs, so the UI needs no file server). The evaluate task
+makes each eval data set's table."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from prefect.artifacts import (
 from miles.multi_lora import AdapterRun
 from miles.plots import data_uri
 from miles.run import RLRun
+from tasks.artifacts import table_rows
 from tasks.history import finished_task_runs
 
 TABLE_COLUMNS = (
@@ -42,7 +44,6 @@ class RunReport:
         self.run = run
         self.flow_name = flow_name
         self.records: list[dict[str, Any]] = []
-        self.evaluation: dict[str, float] = {}
         self.total = run.config.num_rollout
         self.shown = int(100 * run.rollout_ids().start / self.total)
         self.progress = create_progress_artifact(
@@ -56,17 +57,17 @@ class RunReport:
             update_progress_artifact(artifact_id=self.progress, progress=float(percent))
             self.shown = percent
 
-    def finish(self, evaluation: dict[str, float]) -> None:
-        """Write the metrics table, the markdown summary (with `evaluation`) and the reward curve."""
-        self.evaluation = evaluation
+    def finish(self) -> None:
+        """Write the metrics table and the markdown summary with the curves."""
         last = self.records[-1]["rollout_id"]
         create_table_artifact(
             key=f"{self.flow_name}-metrics",
-            table=[{key: _rounded(record.get(key)) for key in TABLE_COLUMNS} for record in self.records],
+            table=table_rows(self.records, TABLE_COLUMNS.__contains__),
             description=f"per-iteration metrics of {self.run.config.run_dir}",
         )
         run_dir = self.run.run_dir
-        curve = self.run.iterations.plot_reward_curve()
+        curves = self.run.iterations.plot_curves()
+        curve = curves.pop("reward_curve")
         lines = [
             f"# {self.flow_name}: rollouts {self.records[0]['rollout_id']}..{last} of {self.total}",
             "",
@@ -74,13 +75,18 @@ class RunReport:
             "|---|---|",
             f"| final reward (rollout {last}) | {self.records[-1]['reward_mean']:.3f} |",
             f"| mean reward, this flow run | {sum(r['reward_mean'] for r in self.records) / len(self.records):.3f} |",
-            *(f"| {k.replace('_', ' ')} | {v:.3f} |" for k, v in evaluation.items()),
+            *(
+                f"| eval {dataset} at rollout {r['rollout_id']} | {_eval_line(r)} |"
+                for dataset, evaluations in self.evaluations().items()
+                for r in _first_and_last(evaluations)
+            ),
             f"| checkpoint | `{run_dir.checkpoint(last).resolve()}` |",
             f"| rollouts (Arrow IPC) | `{run_dir.rollouts.resolve()}` |",
             f"| metrics | `{run_dir.metrics_path.resolve()}` |",
             f"| reward curve | `{curve.resolve()}` |",
             "",
             f"![reward curve of {run_dir.path.name}]({data_uri(curve)})",
+            *(f"\n![{key.replace('/', ' ')} of {run_dir.path.name}]({data_uri(png)})" for key, png in curves.items()),
         ]
         create_markdown_artifact(key=f"{self.flow_name}-summary", markdown="\n".join(lines), description="run summary")
 
@@ -90,9 +96,24 @@ class RunReport:
             "rollouts_trained": len(self.records),
             "final_reward_mean": self.records[-1]["reward_mean"] if self.records else None,
             "task_runs": finished_task_runs(runtime.flow_run.id),  # of the whole flow run
-            **self.evaluation,
+            "eval": self.evaluations(),
         }
 
+    def evaluations(self) -> dict[str, list[dict[str, Any]]]:
+        """Each eval data set's evaluations in the run so far (every start), in rollout order."""
+        found: dict[str, list[dict[str, Any]]] = {}
+        for record in self.run.run_dir.evaluations():
+            found.setdefault(record["eval"], []).append(record)
+        return found
 
-def _rounded(value: Any) -> Any:
-    return round(value, 4) if isinstance(value, float) else value
+
+def _first_and_last(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return records if len(records) <= 2 else [records[0], records[-1]]
+
+
+def _eval_line(record: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{key.replace('_at_', '@')} {value:.3f}"
+        for key, value in record.items()
+        if key == "reward_mean" or key.startswith("pass_at_")
+    )

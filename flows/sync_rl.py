@@ -1,12 +1,13 @@
 """The sync RL flow: for each rollout_id, generate -> get -> train_step -> sync_weights (and a checkpoint when due).
 
     for rollout_id in start .. num_rollout - 1:
+        evaluate(rollout_id)                 # when due (eval.*): the weights that generate this rollout
         generate(rollout_id)                 # engines sample, reward scores, Arrow file in the run dir
         table = get(rollout_id)              # pyarrow.Table with GRPO advantages
         train_step(rollout_id, table)        # PPO-clip optimizer steps, recorded in the ledger
         sync_weights(rollout_id)             # engines get weights version rollout_id + 1 (every update_weights_interval)
         save_checkpoint(rollout_id)          # every save_interval and at the end
-    evaluate(last rollout_id)                # greedy accuracy, starting model vs final checkpoint
+    evaluate(num_rollout)                    # the final weights
 
 A run directory that already holds checkpoints resumes after the latest one.
 """
@@ -27,6 +28,8 @@ def sync_rl(config: RunConfig) -> dict:
     with RLRun(config) as run:
         report = RunReport(run, "rl-sync")
         for rollout_id in run.rollout_ids():
+            if run.should_evaluate(rollout_id):
+                evaluate(run, rollout_id)
             generate(run, rollout_id)
             table = get(run, rollout_id)
             train_step(run, rollout_id, table)
@@ -35,8 +38,10 @@ def sync_rl(config: RunConfig) -> dict:
             if run.should_save(rollout_id):
                 save_checkpoint(run, rollout_id)
             report.iteration_done(rollout_id)
+        if run.should_evaluate(run.rollout_ids().stop):
+            evaluate(run, run.rollout_ids().stop)
         if run.rollout_ids():
-            report.finish(evaluate(run, run.rollout_ids()[-1]))
+            report.finish()
     return report.summary()
 
 

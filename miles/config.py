@@ -80,6 +80,59 @@ class DataConfig(_Section):
         return self
 
 
+class EvalDatasetConfig(DataConfig):
+    """One evaluation data set: data as for training (a built-in task or a path, its columns, template and reward),
+    how it is sampled, and how much of it is used."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,39}$", description="lowercase letters, digits and dashes")
+    task: str | None = Field(None, description="built-in task (see miles.envs); unset when `path` is given")
+    n_samples_per_prompt: int = Field(1, gt=0, description="samples per prompt: pass@k is reported for k up to this")
+    temperature: float = Field(0.0, ge=0, description="0: greedy decoding")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int | None = Field(None, gt=0, description="unset: rollout.max_new_tokens")
+    max_prompts: int | None = Field(
+        None,
+        gt=0,
+        description="evaluate on this many prompts (a seeded sample when `shuffle`, else the first); unset: all",
+    )
+    pass_threshold: float = Field(1.0, description="a sample passes (for pass@k) when its reward is at least this")
+
+    @model_validator(mode="after")
+    def _greedy_once(self) -> EvalDatasetConfig:
+        if self.temperature == 0 and self.n_samples_per_prompt > 1:
+            raise ValueError(
+                f"temperature 0 decodes greedily: the {self.n_samples_per_prompt} samples of a prompt would be alike; "
+                "set n_samples_per_prompt=1 or a temperature above 0"
+            )
+        return self
+
+
+class EvalConfig(_Section):
+    """Evaluation during training, on the engines holding the current weights. The evaluation at rollout N uses
+    weight version N (trained on rollouts 0..N-1: the weights that generate rollout N in the sync flow)."""
+
+    interval: int | None = Field(
+        None, gt=0, description="evaluate every N rollouts; unset: only before training and at the end"
+    )
+    before_training: bool = Field(True, description="evaluate the starting weights (rollout 0)")
+    datasets: list[EvalDatasetConfig] | None = Field(
+        None,
+        description="unset: for a built-in data.task, 200 of its prompts, greedy; for data.path, none; [] turns "
+        "evaluation off",
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> EvalConfig:
+        names = [dataset.name for dataset in self.datasets or []]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"eval.datasets: names must be unique; repeated: {repeated}")
+        return self
+
+
+DEFAULT_EVAL_PROMPTS = 200
+
+
 class SGLangConfig(_Section):
     """SGLang servers (`rollout.engine: sglang`), one per engine actor, driven over their HTTP API."""
 
@@ -297,6 +350,7 @@ class AdapterConfig(_Section):
     global_batch_size: int | None = Field(
         None, gt=0, description="samples per optimizer step; unset: the whole rollout"
     )
+    eval: EvalConfig = Field(EvalConfig(), description="this adapter's evaluation (unset: as eval for its data)")
 
     @model_validator(mode="after")
     def _batch_shape(self) -> AdapterConfig:
@@ -343,6 +397,7 @@ class RunConfig(_Section):
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
     logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
     adapters: list[AdapterConfig] = Field(
         default_factory=list,
         description="LoRA adapters of the multi-LoRA flow; unset on the embedded model: one per built-in task",
@@ -411,6 +466,24 @@ class RunConfig(_Section):
     def samples_per_rollout(self) -> int:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
 
+    @property
+    def eval_datasets(self) -> list[EvalDatasetConfig]:
+        """The evaluation data sets in effect: eval.datasets, else a greedy sample of a built-in training task."""
+        if self.eval.datasets is not None:
+            return list(self.eval.datasets)
+        if self.data.task is None:
+            return []
+        return [EvalDatasetConfig(name=self.data.task, task=self.data.task, max_prompts=DEFAULT_EVAL_PROMPTS)]
+
+    def should_evaluate(self, rollout_id: int) -> bool:
+        """Whether the evaluation schedule has one at rollout `rollout_id` (before training it; num_rollout: the end)."""
+        if not self.eval_datasets or not 0 <= rollout_id <= self.num_rollout:
+            return False
+        if rollout_id == 0:
+            return self.eval.before_training
+        interval = self.eval.interval
+        return rollout_id == self.num_rollout or (interval is not None and rollout_id % interval == 0)
+
     def adapter_view(self, adapter: AdapterConfig) -> RunConfig:
         """The run as one adapter sees it: its data, batch sizes, lr, step budget and seed, in <run_dir>/adapters/<name>."""
         samples = adapter.rollout_batch_size * adapter.n_samples_per_prompt
@@ -421,6 +494,7 @@ class RunConfig(_Section):
             seed=adapter_run_seed(self.seed, adapter.name),
             num_rollout=adapter.num_steps,
             data=adapter.data.model_dump(),
+            eval=adapter.eval.model_dump(),
             adapters=[],
         )
         data["rollout"].update(

@@ -1,58 +1,169 @@
-"""Greedy evaluation with plain transformers, independent of the engine under test."""
+"""Evaluation during training: each eval data set sampled on the engines that hold the current weights and scored
+by its reward, giving the mean reward and pass@k of the data set.
+
+pass@k is the unbiased estimator of Chen et al. 2021, "Evaluating Large Language Models Trained on Code" (eq. 1):
+with n samples of a prompt of which c pass, pass@k = 1 - C(n-c, k) / C(n, k), averaged over the prompts; computed
+as 1 - prod_{i=n-c+1..n} (1 - k/i), their numerically stable form. A sample passes when its reward is at least the
+data set's `pass_threshold`; a sample whose reward failed does not pass, and is left out of the mean reward.
+k runs over 1, 2, 4, ... up to n, and n itself.
+
+An evaluation never touches the training data cursor and draws its seeds from (run seed, data set, rollout_id), so
+a retried one samples the same tokens.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 import random
-from pathlib import Path
+import time
+from typing import Any, NamedTuple
 
-import torch
+import numpy as np
 
-from miles.envs import task_rows
+from miles.config import EvalDatasetConfig, RunConfig
+from miles.data import load_rows
+from miles.data.prompts import PromptFormatter
+from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
+from miles.rewards import RewardFn, resolve_reward
+from miles.rewards.scoring import RewardScorer, clip
+from miles.rollout.inference_controller import InferenceController
+from miles.seeds import eval_seed
+
+log = logging.getLogger(__name__)
 
 
-def eval_rows(task: str, n: int, seed: int) -> list[dict[str, str]]:
-    return random.Random(seed).sample(task_rows(task), n)
+class EvalSet(NamedTuple):
+    """One eval data set's checked inputs: its config, its rows, its reward."""
+
+    dataset: EvalDatasetConfig
+    rows: list[dict]
+    reward: RewardFn | object
+
+    def evaluated_rows(self, seed: int) -> list[dict]:
+        """The rows each evaluation uses: `max_prompts` of them (a sample by `seed` when the data set shuffles)."""
+        limit = self.dataset.max_prompts
+        if limit is None or len(self.rows) <= limit:
+            return self.rows
+        return random.Random(seed).sample(self.rows, limit) if self.dataset.shuffle else self.rows[:limit]
 
 
-@torch.inference_mode()
-def greedy_accuracy(
-    model, tokenizer, rows: list[dict[str, str]], max_new_tokens: int = 4, batch_size: int = 256
-) -> float:
-    """Share of rows whose greedy answer equals the label and ends with EOS."""
-    was_training = model.training
-    model.eval()
-    correct = 0
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True)
-        out = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+def load_eval_sets(config: RunConfig) -> list[EvalSet]:
+    """Every eval data set in effect, loaded and its reward resolved; errors name the data set."""
+    sets = []
+    for index, dataset in enumerate(config.eval_datasets):
+        try:
+            rows, reward = load_rows(dataset), resolve_reward(dataset.reward)
+        except ValueError as exc:
+            raise ValueError(f"eval.datasets.{index} ({dataset.name}): {exc}") from None
+        if not rows:
+            raise ValueError(f"eval.datasets.{index} ({dataset.name}): {dataset.path or dataset.task} has no rows")
+        sets.append(EvalSet(dataset, rows, reward))
+    return sets
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The probability that at least one of k samples drawn without replacement from n, c of them passing, passes."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k reported for n samples per prompt: powers of two up to n, and n."""
+    return sorted({2**j for j in range(n.bit_length()) if 2**j <= n} | {n})
+
+
+def eval_metrics(rewards: list[float | None], n: int, pass_threshold: float) -> dict[str, float]:
+    """Mean reward over the scored samples and pass@k over the prompts; `rewards` holds n samples per prompt in order
+    (None: the reward failed)."""
+    scored = [r for r in rewards if r is not None]
+    passed = np.array([r is not None and r >= pass_threshold for r in rewards]).reshape(-1, n).sum(axis=1)
+    metrics = {"reward_mean": float(np.mean(scored)) if scored else math.nan}
+    for k in pass_ks(n):
+        metrics[f"pass_at_{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in passed]))
+    return metrics
+
+
+class Evaluation:
+    """A policy's eval data sets on the engines; `run(eval_set, rollout_id)` gives the record of one evaluation."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        sets: list[EvalSet],
+        controller: InferenceController,
+        tokenizer,
+        adapter: str | None = None,
+    ):
+        self.config = config
+        self.sets = sets
+        self.controller = controller
+        self.tokenizer = tokenizer
+        self.adapter = adapter
+        self.stops = eos_token_ids(tokenizer)
+        self.rows = {s.dataset.name: s.evaluated_rows(config.seed) for s in sets}
+
+    def run(self, eval_set: EvalSet, rollout_id: int) -> dict[str, Any]:
+        dataset = eval_set.dataset
+        started = time.perf_counter()
+        n = dataset.n_samples_per_prompt
+        rows = self.rows[dataset.name]
+        _, prompt_ids = PromptFormatter(self.tokenizer, dataset).encode([r["prompt"] for r in rows])
+        sampling = SamplingParams(
+            temperature=dataset.temperature,
+            top_p=dataset.top_p,
+            max_new_tokens=dataset.max_new_tokens or self.config.rollout.max_new_tokens,
+            stop_token_ids=self.stops,
         )
-        new_tokens = out[:, enc["input_ids"].shape[1] :].tolist()
-        for row, tokens in zip(chunk, new_tokens, strict=True):
-            if tokenizer.eos_token_id not in tokens:
-                continue
-            answer = tokenizer.decode(tokens[: tokens.index(tokenizer.eos_token_id)], skip_special_tokens=True)
-            correct += answer == row["label"]
-    model.train(was_training)
-    return correct / len(rows)
-
-
-def evaluate_checkpoint(
-    model_dir: str | Path, task: str, n: int = 200, seed: int = 1234, adapter_dir: str | Path | None = None
-) -> float:
-    """Greedy accuracy of a Hugging Face model directory (with a PEFT adapter directory on top, if given) on `n`
-    random prompts of the task."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    return greedy_accuracy(model, tokenizer, eval_rows(task, n, seed))
+        seed = eval_seed(self.config.seed, dataset.name, rollout_id)
+        requests = [
+            GenerateRequest(prompt_ids=ids, sampling=sampling, adapter=self.adapter, seed=seed + k * n + j)
+            for k, ids in enumerate(prompt_ids)
+            for j in range(n)
+        ]
+        # Never more at once than a rollout asks of the engines.
+        batch = self.config.samples_per_rollout
+        results = []
+        for start in range(0, len(requests), batch):
+            results += self.controller.generate(requests[start : start + batch])
+            if len(requests) > batch:
+                log.info(
+                    "eval %s at rollout %d: %d of %d samples", dataset.name, rollout_id, len(results), len(requests)
+                )
+        responses = self.tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
+        finished = [
+            r.finish_reason == "stop" and bool(r.output_ids) and r.output_ids[-1] in self.stops for r in results
+        ]
+        labels = [row["label"] for row in rows for _ in range(n)]
+        scorer = RewardScorer(eval_set.reward, dataset.reward_timeout_s, dataset.reward_concurrency)
+        rewards, failures = scorer.score(responses, labels, finished)
+        if failures:
+            index, why = failures[0]
+            log.warning(
+                "eval %s at rollout %d: reward %r failed on %d of %d samples (they do not pass); first: sample %d "
+                "(response %s) %s",
+                dataset.name,
+                rollout_id,
+                dataset.reward,
+                len(failures),
+                len(responses),
+                index,
+                clip(repr(responses[index])),
+                why,
+            )
+        record: dict[str, Any] = {"rollout_id": rollout_id, "eval": dataset.name}
+        if self.adapter:
+            record["adapter"] = self.adapter
+        record.update(
+            weight_version=min(r.weight_version for r in results),
+            **eval_metrics(rewards, n, dataset.pass_threshold),
+            prompts=len(rows),
+            samples=len(results),
+            failed_samples=len(failures),
+            truncated_fraction=float(np.mean([not f for f in finished])),
+            response_length_mean=float(np.mean([len(r.output_ids) for r in results])),
+            time_eval=time.perf_counter() - started,
+            finished_at=time.time(),
+        )
+        return record

@@ -1,8 +1,8 @@
 """Iterations: one policy's rollouts in a run (the full model, or one adapter of the multi-LoRA run).
 
 Which rollout_ids this run trains, `generate` and `get` through the policy's RolloutExecutor, each phase timed,
-one metrics.jsonl line per finished iteration, the checkpoint schedule, and the restore of a trainer from the
-run directory. RLRun and each AdapterRun hold one; how the policy trains and reaches the engines is theirs.
+one metrics.jsonl line per finished iteration and per evaluation, the checkpoint and evaluation schedules, and the
+restore of a trainer from the run directory. RLRun and each AdapterRun hold one; how the policy trains and reaches the engines is theirs.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ import pyarrow as pa
 
 from miles.config import RunConfig
 from miles.data import DataSource
-from miles.plots import plot_reward_curve
+from miles.evaluate import EvalSet, Evaluation
+from miles.plots import plot_eval_curve, plot_reward_curve
 from miles.resume import ResumePlan
 from miles.rewards import RewardFn
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.rollout_executor import RolloutExecutor, summarize
 from miles.rollout.schema import rollout_metadata
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir
+from miles.run_dir import RunDir, is_evaluation
 from miles.trackers import Trackers
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,12 @@ PHASES = ("generate", "get", "train", "sync")
 
 
 class PolicyInputs(NamedTuple):
-    """A policy's checked inputs: its view of the run config, its prompt rows and its reward function."""
+    """A policy's checked inputs: its view of the run config, its prompt rows, its reward function, its eval sets."""
 
     config: RunConfig
     rows: list[dict[str, str]]
     reward: RewardFn | object  # a reward function or a batched reward (miles.rewards)
+    eval_sets: list[EvalSet]
 
 
 class Iterations:
@@ -65,7 +67,10 @@ class Iterations:
         )
         # Rollouts trained so far; the trainer is at version rollout_id + 1 after training rollout_id.
         self.trainer_version = plan.first_rollout_id
-        self._recorded_ids = self.run_dir.keep_metrics_before(plan.first_rollout_id)
+        kept = self.run_dir.keep_metrics_before(plan.first_rollout_id)
+        self._recorded_ids = {r["rollout_id"] for r in kept if not is_evaluation(r)}
+        self._evaluations = {(r["rollout_id"], r["eval"]): r for r in kept if is_evaluation(r)}
+        self.evaluation = Evaluation(self.config, inputs.eval_sets, controller, tokenizer, adapter)
         self.trackers = Trackers(
             self.config.logging.trackers,
             self.run_dir,
@@ -168,17 +173,56 @@ class Iterations:
         record.update(self._timings.pop(rollout_id, {}))
         return record
 
+    def should_evaluate(self, rollout_id: int) -> bool:
+        """An evaluation is due at `rollout_id` (before this run trains it, or at the run's end) and not yet done."""
+        ids = self.rollout_ids()
+        return (
+            ids.start <= rollout_id <= ids.stop
+            and self.config.should_evaluate(rollout_id)
+            and any((rollout_id, s.dataset.name) not in self._evaluations for s in self.evaluation.sets)
+        )
+
+    def evaluate(self, rollout_id: int) -> list[dict[str, Any]]:
+        """One record per eval data set, evaluated on the engines' current weights; a data set already evaluated at
+        `rollout_id` (a retry, a resumed run) returns its record without running again."""
+        records = []
+        for eval_set in self.evaluation.sets:
+            key = (rollout_id, eval_set.dataset.name)
+            if key not in self._evaluations:
+                self._evaluations[key] = record = self.evaluation.run(eval_set, rollout_id)
+                self._append_metrics(record)
+                log.info(
+                    "%seval %s at rollout %d: %s",
+                    self.label,
+                    key[1],
+                    rollout_id,
+                    "  ".join(f"{k} {v:.3f}" for k, v in record.items() if k == "reward_mean" or k.startswith("pass_")),
+                )
+            records.append(self._evaluations[key])
+        return records
+
     def _append_metrics(self, record: dict[str, Any]) -> None:
-        if record["rollout_id"] not in self._recorded_ids:
+        if is_evaluation(record) or record["rollout_id"] not in self._recorded_ids:
             self.run_dir.append_metrics(record)
-            self._recorded_ids.add(record["rollout_id"])
+            if not is_evaluation(record):
+                self._recorded_ids.add(record["rollout_id"])
         self.trackers.log(record)  # after metrics.jsonl, which a resumed run catches the trackers up from
 
-    def plot_reward_curve(self) -> Path:
-        """reward_curve.png from metrics.jsonl (the whole run, every start), also sent to the trackers."""
-        curve = plot_reward_curve(self.run_dir.metrics_path, self.run_dir.reward_curve_path)
-        self.trackers.log_image("reward_curve", curve, max(self._recorded_ids, default=0))
-        return curve
+    def plot_curves(self) -> dict[str, Path]:
+        """reward_curve.png and eval_<name>.png per eval data set, from metrics.jsonl (the whole run, every start),
+        also sent to the trackers; keyed by their name in the trackers."""
+        records = self.run_dir.records()
+        iterations = [r for r in records if not is_evaluation(r)]
+        name = self.run_dir.path.name
+        curves = {"reward_curve": plot_reward_curve(iterations, name, self.run_dir.reward_curve_path)}
+        for dataset in dict.fromkeys(r["eval"] for r in records if is_evaluation(r)):
+            evaluations = [r for r in records if r.get("eval") == dataset]
+            title = f"{name}: eval {dataset}"
+            curves[f"eval/{dataset}"] = plot_eval_curve(evaluations, title, self.run_dir.eval_curve_path(dataset))
+        step = max((r["rollout_id"] for r in records), default=0)
+        for key, png in curves.items():
+            self.trackers.log_image(key, png, step)
+        return curves
 
     def close(self) -> None:
         self.trackers.close()

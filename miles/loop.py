@@ -10,6 +10,8 @@ from miles.run import RLRun
 
 
 def sync_iteration(run: RLRun, rollout_id: int) -> None:
+    if run.should_evaluate(rollout_id):
+        run.evaluate(rollout_id)
     run.generate(rollout_id)
     table = run.get(rollout_id)
     run.train(rollout_id, table)
@@ -25,19 +27,25 @@ def run_sync(config: RunConfig) -> list[dict[str, Any]]:
         for rollout_id in run.rollout_ids():
             sync_iteration(run, rollout_id)
             records.append(run.finish_iteration(rollout_id))
+        if run.should_evaluate(run.rollout_ids().stop):
+            run.evaluate(run.rollout_ids().stop)
         return records
 
 
 def adapter_iteration(adapter: AdapterRun, rollout_id: int) -> None:
-    """One rollout of one adapter; its last rollout retires it instead of pushing it."""
+    """One rollout of one adapter; after its last rollout (and final evaluation) it retires."""
+    if adapter.should_evaluate(rollout_id):
+        adapter.evaluate(rollout_id)
     adapter.generate(rollout_id)
     table = adapter.get(rollout_id)
     adapter.train(rollout_id, table)
-    if not adapter.is_last(rollout_id):
+    if adapter.should_push(rollout_id):
         adapter.push_adapter(rollout_id)
     if adapter.should_save(rollout_id):
         adapter.save_checkpoint(rollout_id)
     if adapter.is_last(rollout_id):
+        if adapter.should_evaluate(rollout_id + 1):
+            adapter.evaluate(rollout_id + 1)
         adapter.retire()
 
 

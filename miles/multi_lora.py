@@ -18,10 +18,8 @@ import pyarrow as pa
 import ray
 from transformers import AutoTokenizer
 
-from miles.checkpoint import ADAPTER_DIR
 from miles.cluster import ActorGroup, RestartableActor, actor_options, ensure_ray
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
-from miles.evaluate import evaluate_checkpoint
 from miles.iterations import Iterations, PolicyInputs
 from miles.progress import AdapterReporter, ProgressLine
 from miles.resume import ResumePlan
@@ -76,7 +74,6 @@ class AdapterRun:
         controller: InferenceController,
         trainer: RestartableActor,
         tokenizer,
-        initial_model: Path,
         progress: ProgressLine,
     ):
         self.adapter = adapter
@@ -86,7 +83,6 @@ class AdapterRun:
         self.run_dir = RunDir(self.config.run_dir)
         self.controller = controller
         self.trainer = trainer
-        self.initial_model = initial_model
         self.retired = False
         self.plan = ResumePlan.read(self.run_dir, RolloutStore(self.run_dir.rollouts), self.label)
         self.iterations = Iterations(inputs, self.plan, controller, tokenizer, adapter=adapter.name)
@@ -129,8 +125,12 @@ class AdapterRun:
         return self.iterations.train(rollout_id, lambda: self.trainer.train(self.name, rollout_id, table))
 
     def is_last(self, rollout_id: int) -> bool:
-        """The adapter's final rollout: after it the adapter retires instead of being pushed."""
+        """The adapter's final rollout: after it the adapter retires."""
         return rollout_id == self.config.num_rollout - 1
+
+    def should_push(self, rollout_id: int) -> bool:
+        """The engines need the adapter trained on `rollout_id`: for the next rollout, or for the final evaluation."""
+        return not self.is_last(rollout_id) or self.should_evaluate(rollout_id + 1)
 
     def push_adapter(self, rollout_id: int) -> int:
         """Load the adapter trained on `rollout_id` into every engine as version rollout_id + 1; others untouched."""
@@ -157,16 +157,12 @@ class AdapterRun:
         self.reporter.update_record(record)
         return record
 
-    def evaluate(self, rollout_id: int, prompts: int = 200) -> dict[str, float]:
-        """Greedy accuracy (transformers + peft) of the base model and of the base with checkpoint `rollout_id`."""
-        task = self.config.data.task
-        if task is None:
-            return {}
-        adapter_dir = self.run_dir.checkpoint(rollout_id) / ADAPTER_DIR
-        return {
-            "greedy_accuracy_initial": evaluate_checkpoint(self.initial_model, task, prompts),
-            "greedy_accuracy_final": evaluate_checkpoint(self.initial_model, task, prompts, adapter_dir=adapter_dir),
-        }
+    def should_evaluate(self, rollout_id: int) -> bool:
+        return self.iterations.should_evaluate(rollout_id)
+
+    def evaluate(self, rollout_id: int) -> list[dict[str, Any]]:
+        """Evaluate the adapter the engines hold (version rollout_id) on its eval data sets."""
+        return self.iterations.evaluate(rollout_id)
 
 
 class MultiLoRARun:
@@ -198,7 +194,6 @@ class MultiLoRARun:
                     controller=self.controller,
                     trainer=self.trainer,
                     tokenizer=tokenizer,
-                    initial_model=self.initial_model,
                     progress=progress,
                 )
                 started.callback(self.adapters[adapter.name].iterations.close)

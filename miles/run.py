@@ -21,7 +21,7 @@ from miles.cluster import ActorGroup, RestartableActor, ensure_ray
 from miles.config import ConfigError, RunConfig
 from miles.data import check_prompt_lengths, load_rows
 from miles.data.prompts import PromptFormatter
-from miles.evaluate import evaluate_checkpoint
+from miles.evaluate import load_eval_sets
 from miles.iterations import Iterations, PolicyInputs
 from miles.models import ensure_embedded_model
 from miles.progress import IterationReporter
@@ -39,28 +39,34 @@ log = logging.getLogger(__name__)
 
 
 def check_inputs(config: RunConfig) -> PolicyInputs:
-    """Load the dataset, resolve the reward and the algorithm: everything that can reject the input, before any work."""
+    """Load the datasets (training and eval), resolve the rewards and the algorithm: everything that can reject the
+    input, before any work."""
     if config.model.path is None and config.data.task is None:
         raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
     try:
         Algorithm.from_config(config.algo)
-        return PolicyInputs(config, load_rows(config.data), resolve_reward(config.data.reward))
+        return PolicyInputs(config, load_rows(config.data), resolve_reward(config.data.reward), load_eval_sets(config))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
 def check_context(inputs: PolicyInputs, tokenizer, model: Path) -> None:
-    """Every prompt can be formatted for the model (a chat template where one is needed) and, with
-    rollout.max_new_tokens, fits the model's context (before any work starts)."""
+    """Every prompt, of the training data and of each eval data set, can be formatted for the model (a chat
+    template where one is needed) and, with its max_new_tokens, fits the model's context (before any work starts)."""
     config = inputs.config
     context = AutoConfig.from_pretrained(model).max_position_embeddings
-    source = config.data.path or f"task {config.data.task}"
-    prompts = PromptFormatter(tokenizer, config.data)
-    try:
-        prompts.check([r["prompt"] for r in inputs.rows], str(model))
-        check_prompt_lengths(inputs.rows, prompts, config.rollout.max_new_tokens, context, source)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    checks = [(config.data, inputs.rows, config.rollout.max_new_tokens, "rollout.max_new_tokens", "")]
+    for index, (dataset, rows, _) in enumerate(inputs.eval_sets):
+        budget = dataset.max_new_tokens or config.rollout.max_new_tokens
+        checks.append((dataset, rows, budget, "max_new_tokens", f"eval.datasets.{index} ({dataset.name}): "))
+    for data, rows, max_new_tokens, budget_field, where in checks:
+        prompts = PromptFormatter(tokenizer, data)
+        try:
+            prompts.check([r["prompt"] for r in rows], str(model))
+            source = data.path or f"task {data.task}"
+            check_prompt_lengths(rows, prompts, max_new_tokens, context, source, budget_field)
+        except ValueError as exc:
+            raise ConfigError(where + str(exc)) from None
 
 
 def initial_model(run_dir: RunDir, config: RunConfig, tasks: list[str]) -> Path:
@@ -211,15 +217,12 @@ class RLRun:
         self.reporter.update_record(record)
         return record
 
-    def evaluate(self, rollout_id: int, prompts: int = 200) -> dict[str, float]:
-        """Greedy accuracy (plain transformers) of the starting model and of checkpoint `rollout_id`."""
-        if self.config.data.task is None:
-            return {}
-        checkpoint = self.run_dir.checkpoint(rollout_id) / MODEL_DIR
-        return {
-            "greedy_accuracy_initial": evaluate_checkpoint(self.initial_model, self.config.data.task, prompts),
-            "greedy_accuracy_final": evaluate_checkpoint(checkpoint, self.config.data.task, prompts),
-        }
+    def should_evaluate(self, rollout_id: int) -> bool:
+        return self.iterations.should_evaluate(rollout_id)
+
+    def evaluate(self, rollout_id: int) -> list[dict[str, Any]]:
+        """Evaluate the weights the engines hold (version rollout_id, once its push is done) on every eval data set."""
+        return self.iterations.evaluate(rollout_id)
 
     def close(self) -> None:
         self._resources.close()

@@ -4,12 +4,13 @@
         run.json            the config, the starting model, package versions, one entry per start
         run.lock            the pid of the process training the run
         ledger.json         the rollouts trained, with their metrics
-        metrics.jsonl       one line per finished iteration
+        metrics.jsonl       one line per finished iteration and per evaluation of an eval data set
         rollouts/           rollout_<id>.arrow (RolloutStore)
         checkpoints/<id>/   model or adapter, optimizer, state.json (miles.checkpoint)
         adapters/<name>/    one adapter's own run directory (multi-LoRA)
         engine_weights/<v>/ the weights last pushed to the engines (rollout.weight_transport: disk)
         reward_curve.png
+        eval_<name>.png     the curve of each eval data set
 
 It imports nothing heavy: the config names adapter directories through it. The files' formats live with their
 code (miles.checkpoint, miles.rollout.store); the run directory says where they go.
@@ -80,24 +81,38 @@ class RunDir:
         """The ledger as it is on disk now (the trainer actor writes it from its own process)."""
         return Ledger(self.path / "ledger.json")
 
-    # metrics.jsonl: one line per finished iteration, appended once per rollout_id.
+    # metrics.jsonl: one line per finished iteration, appended once per rollout_id, and one per evaluation of an
+    # eval data set (its "eval" field names the data set), appended once per (rollout_id, data set).
 
-    def metrics(self) -> list[dict[str, Any]]:
+    def records(self) -> list[dict[str, Any]]:
+        """Every line of metrics.jsonl: iterations and evaluations."""
         if not self.metrics_path.exists():
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines()]
 
-    def keep_metrics_before(self, rollout_id: int) -> set[int]:
-        """Drop the lines of rollouts from `rollout_id` on (they will be trained again); return the rollout_ids kept."""
-        records = self.metrics()
-        kept = [r for r in records if r["rollout_id"] < rollout_id]
+    def metrics(self) -> list[dict[str, Any]]:
+        """The iterations' records."""
+        return [r for r in self.records() if not is_evaluation(r)]
+
+    def evaluations(self, dataset: str | None = None) -> list[dict[str, Any]]:
+        """The evaluations' records (of one eval data set, if given)."""
+        return [r for r in self.records() if is_evaluation(r) and dataset in (None, r["eval"])]
+
+    def keep_metrics_before(self, rollout_id: int) -> list[dict[str, Any]]:
+        """Drop the lines of iterations from `rollout_id` on (they will be trained again) and of evaluations after it
+        (they will be run again: the one at `rollout_id` was on the weights the run resumes with); return the rest."""
+        records = self.records()
+        kept = [r for r in records if r["rollout_id"] < rollout_id + is_evaluation(r)]
         if len(kept) != len(records):
             self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        return {r["rollout_id"] for r in kept}
+        return kept
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def eval_curve_path(self, dataset: str) -> Path:
+        return self.path / f"eval_{dataset}.png"
 
     # run.json: what the run started from, and every start.
 
@@ -111,6 +126,10 @@ class RunDir:
         record.update(config=config, initial_model=str(initial_model), versions=_versions())
         record["starts"].append({"time": time.time(), **start})
         write_json_atomic(self.record_path, record)
+
+
+def is_evaluation(record: dict[str, Any]) -> bool:
+    return "eval" in record
 
 
 def _versions() -> dict[str, str]:

@@ -19,3 +19,8 @@ def adapter_run_seed(run_seed: int, adapter: str) -> int:
 def adapter_init_seed(run_seed: int, adapter: str) -> int:
     """The torch seed that draws a new adapter's initial LoRA weights."""
     return zlib.crc32(f"{run_seed}:{adapter}".encode())
+
+
+def eval_seed(run_seed: int, dataset: str, rollout_id: int) -> int:
+    """The first sample's seed of the evaluation of data set `dataset` at rollout `rollout_id`; sample k uses this + k."""
+    return ((run_seed * 1_000_003 + zlib.crc32(dataset.encode())) * 1_000_033 + rollout_id) * 1_000_037 % (2**62)

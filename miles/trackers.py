@@ -1,9 +1,10 @@
 """Experiment trackers (`logging.trackers`): TensorBoard, MLflow, Weights & Biases, each an optional extra.
 
-Each iteration's record of metrics.jsonl is logged with its rollout_id as the step, the resolved config as the run's
-parameters, the reward curve as an image. metrics.jsonl is the source of truth: `<run_dir>/trackers.json` keeps
-each tracker's run id and last logged step, so a resumed run continues the same tracker runs, first logs the
-records they missed (a process that died after writing metrics.jsonl), and never logs a step twice.
+Each record of metrics.jsonl is logged with its rollout_id as the step: an iteration's metrics under their own
+names, an evaluation's as `eval/<data set>/<metric>`; the resolved config is the run's parameters, the curves are
+images. metrics.jsonl is the source of truth: `<run_dir>/trackers.json` keeps each tracker's run id and last logged
+step (of the iterations, and of each eval data set), so a resumed run continues the same tracker runs, first logs
+the records they missed (a process that died after writing metrics.jsonl), and never logs a step twice.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from miles.atomic import write_json_atomic
-from miles.run_dir import RunDir
+from miles.run_dir import RunDir, is_evaluation
 
 log = logging.getLogger(__name__)
 
-NOT_METRICS = ("rollout_id", "finished_at", "adapter")
+NOT_METRICS = ("rollout_id", "finished_at", "adapter", "eval")
 
 
 class Trackers:
@@ -40,26 +41,28 @@ class Trackers:
         }
         self._save_state()
         if self.trackers:
-            for record in run_dir.metrics():  # what they missed when the last process stopped
+            for record in run_dir.records():  # what they missed when the last process stopped
                 self.log(record)
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record["rollout_id"])
+        prefix = f"eval/{record['eval']}/" if is_evaluation(record) else ""
         metrics = {
-            key: float(value)
+            prefix + key: float(value)
             for key, value in record.items()
             if key not in NOT_METRICS and isinstance(value, int | float) and not isinstance(value, bool)
         }
         for name, tracker in self.trackers.items():
             state = self.state[name]
-            if state.get("last_step", -1) >= step:
+            marker = _step_marker(state, record)
+            if marker.get("last_step", -1) >= step:
                 continue
             try:
                 tracker.log(metrics, step)
             except Exception as exc:  # noqa: BLE001 - a tracker down never stops training; the next start catches up
                 log.warning("%s did not take rollout %d (%s); it gets it when the run starts again", name, step, exc)
                 continue
-            state["last_step"] = step
+            marker["last_step"] = step
             self._save_state()
 
     def log_image(self, key: str, png: Path, step: int) -> None:
@@ -85,7 +88,7 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path, config: dict, project: str, name: str, state: dict):
         from torch.utils.tensorboard import SummaryWriter
 
-        last = state.get("last_step")
+        last = _last_logged_step(state)
         self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=None if last is None else last + 1)
         if last is None:
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
@@ -165,6 +168,17 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _step_marker(state: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """Where the last logged step of the record's kind is kept: the tracker's state for iterations, a
+    per-data-set entry under "eval" for evaluations (an evaluation at rollout N comes before iteration N)."""
+    return state.setdefault("eval", {}).setdefault(record["eval"], {}) if is_evaluation(record) else state
+
+
+def _last_logged_step(state: dict[str, Any]) -> int | None:
+    steps = [state.get("last_step"), *(marker.get("last_step") for marker in state.get("eval", {}).values())]
+    return max((s for s in steps if s is not None), default=None)
 
 
 TRACKERS = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker, "wandb": WandbTracker}

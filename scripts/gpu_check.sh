@@ -25,7 +25,7 @@ flow_run() {  # flow_run <engine> [--set ...]: 10 rollouts of 512 samples, then 
   echo "sync flow with the $engine engine, 10 rollouts on CUDA: $(( $(date +%s) - started )) s wall (start-up included)"
   "$PY" - "$run_dir/metrics.jsonl" "$engine" <<'EOF'
 import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])][1:]  # the first rollout pays the warm-up
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "eval" not in r][1:]  # the first pays the warm-up
 tokens = sum(r["samples"] * r["response_length_mean"] for r in rows)
 print(f"{sys.argv[2]} engine in the flow: {tokens / sum(r['time_generate'] for r in rows):,.0f} generated tokens/s, "
       f"train step {sum(r['time_train'] for r in rows) / len(rows):.3f} s, weight sync {sum(r['time_sync'] for r in rows) / len(rows):.3f} s, "

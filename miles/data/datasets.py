@@ -29,15 +29,20 @@ def load_rows(config: DataConfig) -> list[dict]:
 
 
 def check_prompt_lengths(
-    rows: list[dict], prompts: PromptFormatter, max_new_tokens: int, context: int, source: str
+    rows: list[dict],
+    prompts: PromptFormatter,
+    max_new_tokens: int,
+    context: int,
+    source: str,
+    budget_field: str = "rollout.max_new_tokens",
 ) -> None:
-    """Raise for the first row whose prompt (as the model is given it) leaves no room for max_new_tokens within the
-    model's context."""
+    """Raise for the first row whose prompt (as the model is given it) leaves no room for max_new_tokens (the value of
+    `budget_field`) within the model's context."""
     lengths = [len(ids) for ids in prompts.encode([r["prompt"] for r in rows])[1]]
     for index, length in enumerate(lengths, start=1):
         if length + max_new_tokens > context:
             raise ValueError(
-                f"{source}: row {index}: the prompt is {length} tokens; with rollout.max_new_tokens={max_new_tokens} "
+                f"{source}: row {index}: the prompt is {length} tokens; with {budget_field}={max_new_tokens} "
                 f"it exceeds the model's context of {context} tokens (max_position_embeddings)"
             )
 

@@ -20,7 +20,7 @@ class EngineUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy decoding (the log-probs are then at temperature 1, as SGLang's)
     top_p: float = 1.0
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()

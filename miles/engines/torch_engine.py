@@ -129,7 +129,9 @@ class TorchEngine:
         for i, r in enumerate(requests):  # left padding, so every row's next token sits in the last column
             input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             attention[i, width - len(r.prompt_ids) :] = 1
-        temperature = torch.tensor([r.sampling.temperature for r in requests], device=dev).unsqueeze(1)
+        # Temperature 0 is greedy decoding, as in SGLang: the most likely token, its log-prob at temperature 1.
+        greedy = torch.tensor([r.sampling.temperature == 0 for r in requests], device=dev).unsqueeze(1)
+        temperature = torch.tensor([r.sampling.temperature or 1.0 for r in requests], device=dev).unsqueeze(1)
         top_p = torch.tensor([r.sampling.top_p for r in requests], device=dev).unsqueeze(1)
         max_new = torch.tensor([r.sampling.max_new_tokens for r in requests], device=dev)
         max_stops = max(1, max(len(r.sampling.stop_token_ids) for r in requests))
@@ -165,6 +167,7 @@ class TorchEngine:
             if needs_top_p:
                 probs = _top_p_filter(probs, top_p)
             sampled = _sample(probs, _uniform(row_keys, step))
+            sampled = torch.where(greedy, step_logprobs.argmax(dim=-1, keepdim=True), sampled)
             active = ~done
             tokens[:, step] = torch.where(active, sampled.squeeze(1), self.pad_token_id)
             logprobs[:, step] = torch.where(active, step_logprobs.gather(1, sampled).squeeze(1), 0.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Sequence
 
@@ -10,12 +11,43 @@ import torch
 
 from miles.config import WarmupConfig
 from miles.envs import task_rows
-from miles.evaluate import eval_rows, greedy_accuracy
 from miles.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 
 IGNORE = -100
+
+
+def eval_rows(task: str, n: int, seed: int) -> list[dict[str, str]]:
+    return random.Random(seed).sample(task_rows(task), n)
+
+
+@torch.inference_mode()
+def greedy_accuracy(
+    model, tokenizer, rows: list[dict[str, str]], max_new_tokens: int = 4, batch_size: int = 256
+) -> float:
+    """Share of rows whose greedy answer equals the label and ends with EOS."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        new_tokens = out[:, enc["input_ids"].shape[1] :].tolist()
+        for row, tokens in zip(chunk, new_tokens, strict=True):
+            if tokenizer.eos_token_id not in tokens:
+                continue
+            answer = tokenizer.decode(tokens[: tokens.index(tokenizer.eos_token_id)], skip_special_tokens=True)
+            correct += answer == row["label"]
+    model.train(was_training)
+    return correct / len(rows)
 
 
 def _sft_tensors(tokenizer, rows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,11 @@
 """`miles run sync` as a user types it: a fresh process, its own ephemeral Prefect API and Ray."""
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from miles.run_dir import RunDir
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -87,5 +88,4 @@ def test_cli_runs_the_flow_with_a_project_local_prefect_home(tmp_path, tiny_mode
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rollout 1/2  reward" in out.stdout and "rollout 2/2  reward" in out.stdout
     assert (tmp_path / ".prefect" / "prefect.db").exists()
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["rollout_id"] for line in lines] == [0, 1]
+    assert [r["rollout_id"] for r in RunDir(tmp_path / "run").metrics()] == [0, 1]

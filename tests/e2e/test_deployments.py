@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from miles.config import load_config
+from miles.run_dir import RunDir
 
 PROJECT = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -155,8 +156,7 @@ def test_deployment_run_records_history_and_resumes(served, first_run):
 
     second = _deployment_run(env, params)
     assert second != first
-    rollout_ids = [json.loads(line)["rollout_id"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rollout_ids == [0, 1, 2, 3]
+    assert [r["rollout_id"] for r in RunDir(run_dir).metrics()] == [0, 1, 2, 3]
     assert not (run_dir / "run.lock").exists()
 
 

@@ -51,8 +51,7 @@ def _trainer_pid(root: int) -> int | None:
 
 
 def _metrics_ids(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line)["rollout_id"] for line in path.read_text().splitlines()] if path.exists() else []
+    return [r["rollout_id"] for r in RunDir(run_dir).metrics()]
 
 
 # Rollouts big enough that training one takes a good fraction of a second: the window in which the test freezes

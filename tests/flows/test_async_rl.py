@@ -1,8 +1,6 @@
 """The rl-async flow: generation of rollout i+1 overlaps training on rollout i, read back from the Prefect API."""
 
 import asyncio
-import json
-from pathlib import Path
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter
@@ -21,7 +19,7 @@ async def _task_runs(flow_run_id):
 
 
 def _metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return RunDir(run_dir).metrics()
 
 
 def test_generation_of_the_next_rollout_overlaps_training(ray_session, prefect_api, small_config):

@@ -33,7 +33,7 @@ async def _history(flow_run_id):
 
 
 def _metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return RunDir(path.parent).metrics()
 
 
 def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_api, small_config):

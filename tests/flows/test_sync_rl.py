@@ -49,9 +49,7 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
     assert image and base64.b64decode(image.group(1)) == (Path(config.run_dir) / "reward_curve.png").read_bytes()
     table = next(a for a in artifacts if a.type == "table")
     assert [row["rollout_id"] for row in json.loads(table.data)] == [0, 1]
-    assert [
-        json.loads(line)["rollout_id"] for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()
-    ] == [0, 1]
+    assert [r["rollout_id"] for r in RunDir(config.run_dir).metrics()] == [0, 1]
 
 
 def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config import ConfigError, RunConfig, load_config
+from miles.config import AdapterConfig, ConfigError, DataConfig, RunConfig, load_config
 
 
 def test_defaults_validate():
@@ -310,3 +310,47 @@ def test_adapter_view_names_the_adapter_when_shared_settings_do_not_fit():
     with pytest.raises(ConfigError, match="adapter 'a'") as info:
         config.adapter_view(config.adapters[0])
     assert "train.micro_batch_size (48) must divide train.global_batch_size (64)" in str(info.value)
+
+
+def test_eval_defaults_to_a_greedy_sample_of_a_built_in_task_and_to_none_for_a_data_file(tmp_path):
+    (dataset,) = load_config().eval_datasets
+    assert (dataset.name, dataset.task, dataset.temperature, dataset.n_samples_per_prompt) == (
+        "addition",
+        "addition",
+        0,
+        1,
+    )
+    assert dataset.max_prompts == 200
+    data = ["data.task=null", f"data.path={tmp_path / 'train.jsonl'}"]
+    assert load_config(None, data).eval_datasets == []
+    assert load_config(None, ["eval.datasets=[]"]).eval_datasets == []
+    custom = load_config(None, [f"eval.datasets=[{{name: test, path: {tmp_path / 'test.jsonl'}, reward: gsm8k}}]"])
+    assert [(d.name, d.task, d.reward) for d in custom.eval_datasets] == [("test", None, "gsm8k")]
+
+
+def test_eval_schedule_is_before_training_every_interval_and_at_the_end():
+    config = load_config(None, ["eval.interval=2"], num_rollout=5)
+    assert [i for i in range(7) if config.should_evaluate(i)] == [0, 2, 4, 5]
+    config = load_config(None, ["eval.before_training=false"], num_rollout=5)
+    assert [i for i in range(7) if config.should_evaluate(i)] == [5]
+    assert not any(load_config(None, ["eval.datasets=[]"], num_rollout=5).should_evaluate(i) for i in range(7))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["eval.datasets=[{name: a, task: addition, n_samples_per_prompt: 4}]"], "temperature 0 decodes greedily"),
+        (["eval.datasets=[{name: a, task: addition}, {name: a, task: subtraction}]"], "repeated: \\['a'\\]"),
+        (["eval.datasets=[{name: Sums, task: addition}]"], "eval.datasets.0.name"),
+        (["eval.datasets=[{name: a}]"], "set exactly one of data.task and data.path"),
+        (["eval.interval=0"], "eval.interval"),
+    ],
+)
+def test_bad_eval_settings_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_an_adapter_evaluates_its_own_task():
+    view = load_config().adapter_view(AdapterConfig(name="sub", data=DataConfig(task="subtraction")))
+    assert [(d.name, d.task) for d in view.eval_datasets] == [("subtraction", "subtraction")]

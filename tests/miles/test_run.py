@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from miles.checkpoint import latest_checkpoint, read_state
 from miles.config import ConfigError
-from miles.loop import run_sync
+from miles.loop import run_sync, sync_iteration
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.run import RLRun
 from miles.run_dir import RunDir
@@ -23,7 +23,7 @@ from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
 
 
 def _metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return RunDir(run_dir).metrics()
 
 
 def test_miles_imports_no_prefect():
@@ -288,3 +288,75 @@ def test_a_sync_run_on_a_three_node_cluster_spreads_the_trainer_workers(tiny_mod
     assert len(set(trainer_nodes)) == 2  # one worker per node
     assert not set(engine_nodes) & set(trainer_nodes)  # the engine on the third
     assert (run_dir / "checkpoints" / "1" / "model" / "model.safetensors").is_file()
+
+
+def _sums_file(path: Path) -> Path:
+    rows = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a in (3, 14, 25) for b in (1, 22, 7)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_evaluations_run_on_schedule_once_each_across_a_stop_and_resume(ray_session, small_config, tmp_path):
+    """eval.interval=2 over 5 rollouts: evaluations at 0, 2, 4 (before training them) and 5 (the end). The first
+    process stops right after the evaluation at 4; the resumed one neither repeats it nor skips the rest."""
+    sums = _sums_file(tmp_path / "sums.jsonl")
+    eval_sets = f"eval.datasets=[{{name: sums, path: {sums}, n_samples_per_prompt: 4, temperature: 1.0}}, {{name: greedy, task: addition, max_prompts: 16}}]"
+    config = small_config("eval.interval=2", eval_sets, num_rollout=5, save_interval=2)
+    with RLRun(config) as run:
+        for rollout_id in range(4):
+            sync_iteration(run, rollout_id)
+            run.finish_iteration(rollout_id)
+        stopped_at = run.evaluate(4)
+        assert not run.should_evaluate(4)  # done: a retry of the task returns the records
+        assert run.evaluate(4) == stopped_at
+
+    run_sync(config)
+
+    run_dir = RunDir(config.run_dir)
+    sums_evals = run_dir.evaluations("sums")
+    assert [(r["rollout_id"], r["weight_version"]) for r in sums_evals] == [(0, 0), (2, 2), (4, 4), (5, 5)]
+    assert [r["rollout_id"] for r in run_dir.evaluations("greedy")] == [0, 2, 4, 5]
+    assert [r for r in run_dir.evaluations() if r["rollout_id"] == 4] == stopped_at  # not run again
+    assert [r["rollout_id"] for r in run_dir.metrics()] == [0, 1, 2, 3, 4]
+    for record in sums_evals:
+        assert (record["prompts"], record["samples"]) == (9, 36)
+        assert 0.0 <= record["pass_at_1"] <= record["pass_at_2"] <= record["pass_at_4"] <= 1.0
+        assert record["reward_mean"] == pytest.approx(record["pass_at_1"])  # a 0/1 reward with no failures
+    assert [r["prompts"] for r in run_dir.evaluations("greedy")] == [16] * 4
+
+
+def test_evaluation_leaves_the_training_data_and_samples_untouched(ray_session, small_config, tmp_path):
+    """The same run with evaluation at every rollout and without any: the same rollouts, the same weights."""
+    sums = _sums_file(tmp_path / "sums.jsonl")
+    evaluated = small_config(
+        "eval.interval=1",
+        f"eval.datasets=[{{name: sums, path: {sums}, n_samples_per_prompt: 2, temperature: 1.0}}]",
+        run_dir=tmp_path / "evaluated",
+        num_rollout=3,
+    )
+    plain = small_config("eval.datasets=[]", run_dir=tmp_path / "plain", num_rollout=3)
+    run_sync(evaluated)
+    run_sync(plain)
+
+    assert [r["rollout_id"] for r in RunDir(evaluated.run_dir).evaluations()] == [0, 1, 2, 3]
+    assert RunDir(plain.run_dir).evaluations() == []
+    for rollout_id in range(3):
+        tables = [
+            pa.ipc.open_file(
+                pa.memory_map(str(Path(c.run_dir) / "rollouts" / f"rollout_{rollout_id}.arrow"))
+            ).read_all()
+            for c in (evaluated, plain)
+        ]
+        for column in ("prompt", "response_ids", "rollout_logprobs"):
+            assert tables[0].column(column).equals(tables[1].column(column)), (rollout_id, column)
+    states = [read_state(latest_checkpoint(RunDir(c.run_dir).checkpoints))["data"] for c in (evaluated, plain)]
+    assert states[0] == states[1]
+    assert max_abs_diff(final_weights(evaluated.run_dir, 2), final_weights(plain.run_dir, 2)) == 0.0
+
+
+def test_an_eval_data_set_that_cannot_be_read_is_refused_before_any_work(small_config, tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    config = small_config(f"eval.datasets=[{{name: held-out, path: {missing}}}]", run_dir=str(tmp_path / "never"))
+    with pytest.raises(ConfigError, match=rf"eval.datasets.0 \(held-out\): .*{missing}"):
+        RLRun(config)
+    assert not (tmp_path / "never" / "rollouts").exists()

@@ -105,12 +105,17 @@ def test_layout_names_every_file_and_an_adapter_has_a_run_dir_of_its_own(tmp_pat
 
 def test_metrics_lines_of_rollouts_to_be_trained_again_are_dropped(tmp_path):
     run_dir = RunDir(tmp_path)
-    assert run_dir.keep_metrics_before(0) == set() and run_dir.metrics() == []
+    assert run_dir.keep_metrics_before(0) == [] and run_dir.metrics() == []
     for rollout_id in range(4):
+        run_dir.append_metrics({"rollout_id": rollout_id, "eval": "sums", "reward_mean": 1.0})
         run_dir.append_metrics({"rollout_id": rollout_id, "reward_mean": rollout_id / 10})
-    assert run_dir.keep_metrics_before(2) == {0, 1}
+    # The evaluation at 2 was on the weights a run resuming at 2 starts with: it is kept, the one at 3 is not.
+    kept = run_dir.keep_metrics_before(2)
+    assert [(r["rollout_id"], "eval" in r) for r in kept] == [(0, True), (0, False), (1, True), (1, False), (2, True)]
+    assert run_dir.records() == kept
     assert run_dir.metrics() == [{"rollout_id": 0, "reward_mean": 0.0}, {"rollout_id": 1, "reward_mean": 0.1}]
-    assert run_dir.keep_metrics_before(5) == {0, 1}
+    assert [r["rollout_id"] for r in run_dir.evaluations("sums")] == [0, 1, 2] and run_dir.evaluations("other") == []
+    assert run_dir.keep_metrics_before(5) == kept
 
 
 def test_run_record_keeps_the_initial_model_and_every_start(tmp_path):

@@ -66,6 +66,34 @@ def test_top_p_keeps_only_the_most_likely_token_when_tiny(engine, tokenizer):
     assert len({tuple(r.output_ids) for r in greedy_like}) == 1
 
 
+def test_temperature_zero_decodes_greedily_as_transformers_does(engine, tokenizer, tiny_model_dir):
+    """Greedy beside sampled requests in one batch, whatever their seeds: the argmax tokens of plain transformers,
+    log-probs at temperature 1 (as SGLang reports them for a greedy request)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = ["12+30=", "7+8=", "45+67=", "3+14="]
+    greedy = make_requests(tokenizer, prompts, temperature=0.0)
+    sampled = make_requests(tokenizer, prompts)
+    results = engine.generate(seeded(greedy + sampled, 5))
+    again = engine.generate(seeded(greedy, 11))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for request, result, other in zip(greedy, results, again, strict=False):
+        out = model.generate(
+            torch.tensor([request.prompt_ids]),
+            attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long),
+            max_new_tokens=request.sampling.max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(request.sampling.stop_token_ids),
+            pad_token_id=tokenizer.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        expected = out.sequences[0, len(request.prompt_ids) :].tolist()
+        assert result.output_ids == other.output_ids == expected
+        expected_logprobs = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, expected, strict=True)]
+        assert result.logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+
+
 def test_update_weights_changes_outputs_and_version(tiny_model_dir, tokenizer):
     engine = TorchEngine(str(tiny_model_dir), num_threads=1)
     requests = make_requests(tokenizer, ["7+8="] * 4)
