@@ -29,7 +29,11 @@ def test_generation_of_the_next_rollout_overlaps_training(ray_session, prefect_a
     runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
 
     assert all(r.state.is_completed() for r in runs.values())
-    assert state.result()["task_runs"] == len(runs) == 3 * 4 + 2  # + the final checkpoint and evaluation
+    # + the final checkpoint, the evaluations of the starting and of the final weights
+    assert state.result()["task_runs"] == len(runs) == 3 * 4 + 3
+    assert runs["evaluate[rollout=0]"].end_time <= runs["sync_weights[rollout=0]"].start_time
+    assert runs["evaluate[rollout=3]"].start_time >= runs["sync_weights[rollout=2]"].end_time
+    assert [r["weight_version"] for r in RunDir(config.run_dir).evaluations()] == [0, 3]
     for i in (0, 1):
         generate_next, train, sync = (
             runs[f"generate[rollout={i + 1}]"],

@@ -49,10 +49,20 @@ def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_
     for adapter, steps in (("add", 3), ("sub", 2)):
         for i in range(steps):
             assert {f"{t}[{adapter}, rollout={i}]" for t in ("generate", "get", "train_step")} <= names
-        # Pushed after every rollout but the last, which retires the adapter instead.
-        assert {f"push_adapter[{adapter}, rollout={i}]" for i in range(steps - 1)} <= names
-        assert f"push_adapter[{adapter}, rollout={steps - 1}]" not in names
-        assert {f"retire_adapter[{adapter}]", f"evaluate[{adapter}, rollout={steps - 1}]"} <= names
+        # Pushed after every rollout, the last one for the final evaluation (before the adapter retires); evaluated
+        # at the start and at the end, on its own task.
+        assert {f"push_adapter[{adapter}, rollout={i}]" for i in range(steps)} <= names
+        assert {
+            f"retire_adapter[{adapter}]",
+            f"evaluate[{adapter}, rollout=0]",
+            f"evaluate[{adapter}, rollout={steps}]",
+        } <= names
+        evaluations = RunDir(Path(config.run_dir) / "adapters" / adapter).evaluations()
+        expected = {"add": "addition", "sub": "subtraction"}[adapter]
+        assert [(r["eval"], r["adapter"], r["rollout_id"], r["weight_version"]) for r in evaluations] == [
+            (expected, adapter, 0, 0),
+            (expected, adapter, steps, steps),
+        ]
     assert all(r.state.is_completed() for r in task_runs)
     keys = {a.key for a in artifacts}
     assert {
@@ -130,11 +140,13 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
     retried = {r.name for r in task_runs if r.run_count == 2}
     # The engine dies as sub's generate(1) starts, the shared trainer as add's train_step(2) starts. Their calls
-    # fail and are retried, and so is any other adapter's call in flight then; a call still queued behind a failed
-    # one finds the restarted actor and runs once. Which is which depends on how the two branches interleave.
+    # fail and are retried, and so is any other adapter's call on the same actor in flight then (an evaluation on
+    # the engine; a push or a checkpoint reading the trainer); a call still queued behind a failed one finds the
+    # restarted actor and runs once. Which is which depends on how the two branches interleave.
     assert "train_step[add, rollout=2]" in retried
-    assert any(name.startswith("generate[") for name in retried)
-    assert all(name.startswith(("generate[", "train_step[")) for name in retried)
+    assert any(name.startswith(("generate[", "evaluate[", "push_adapter[")) for name in retried), retried
+    on_actors = ("generate[", "evaluate[", "train_step[", "push_adapter[", "save_checkpoint[")
+    assert all(name.startswith(on_actors) for name in retried), retried
     assert all(r.run_count <= 2 for r in task_runs)
     assert all(r.state.is_completed() for r in task_runs)
     for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):

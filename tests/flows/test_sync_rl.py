@@ -30,25 +30,42 @@ async def _history(flow_run_id):
 
 
 def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_config):
-    config = small_config(num_rollout=2)
+    config = small_config(
+        "eval.interval=1", "eval.datasets=[{name: sums, task: addition, max_prompts: 20}]", num_rollout=2
+    )
     state = sync_rl(config, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    assert summary["rollouts_trained"] == 2 and summary["task_runs"] == 10
-    assert 0.0 <= summary["greedy_accuracy_initial"] <= 1.0 and 0.0 <= summary["greedy_accuracy_final"] <= 1.0
+    assert summary["rollouts_trained"] == 2 and summary["task_runs"] == 12
+    assert [(r["rollout_id"], r["weight_version"], r["prompts"]) for r in summary["eval"]["sums"]] == [
+        (0, 0, 20),
+        (1, 1, 20),
+        (2, 2, 20),
+    ]
 
     flow_run, task_runs, artifacts = asyncio.run(_history(state.state_details.flow_run_id))
     assert flow_run.flow_id is not None and flow_run.state.is_completed()
     names = {r.name: r for r in task_runs}
     expected = [f"{task}[rollout={i}]" for i in (0, 1) for task in ("generate", "get", "train_step", "sync_weights")]
-    assert set(expected) | {"save_checkpoint[rollout=1]", "evaluate[rollout=1]"} == set(names)
+    evaluations = {f"evaluate[rollout={i}]" for i in (0, 1, 2)}
+    assert set(expected) | {"save_checkpoint[rollout=1]"} | evaluations == set(names)
     assert all(r.state.is_completed() for r in task_runs)
+    # Each evaluation runs on the weights the engines hold before that rollout is generated.
+    for i in (0, 1):
+        assert names[f"evaluate[rollout={i}]"].end_time <= names[f"generate[rollout={i}]"].start_time
+    assert names["sync_weights[rollout=1]"].end_time <= names["evaluate[rollout=2]"].start_time
     assert {a.type for a in artifacts} >= {"progress", "table", "markdown"}
     summary = next(a for a in artifacts if a.type == "markdown").data
     image = re.search(r"!\[reward curve of run\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", summary)
     assert image and base64.b64decode(image.group(1)) == (Path(config.run_dir) / "reward_curve.png").read_bytes()
-    table = next(a for a in artifacts if a.type == "table")
-    assert [row["rollout_id"] for row in json.loads(table.data)] == [0, 1]
+    image = re.search(r"!\[eval sums of run\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", summary)
+    assert image and base64.b64decode(image.group(1)) == (Path(config.run_dir) / "eval_sums.png").read_bytes()
+    assert "| eval sums at rollout 2 | reward_mean" in summary
+    tables = {a.key: json.loads(a.data) for a in sorted(artifacts, key=lambda a: a.created) if a.type == "table"}
+    assert [row["rollout_id"] for row in tables["rl-sync-metrics"]] == [0, 1]
+    assert [(row["rollout_id"], row["pass_at_1"]) for row in tables["eval-sums"]] == [
+        (r["rollout_id"], round(r["pass_at_1"], 4)) for r in RunDir(config.run_dir).evaluations("sums")
+    ]
     assert [r["rollout_id"] for r in RunDir(config.run_dir).metrics()] == [0, 1]
 
 

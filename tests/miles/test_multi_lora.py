@@ -36,10 +36,12 @@ def test_each_adapter_gets_its_rows_and_reward(tmp_path):
         ],
     )
     checked = check_adapter_inputs(config)
-    view, rows, reward = checked["mine"]
+    view, rows, reward, eval_sets = checked["mine"]
     assert rows == [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
     assert reward("24", "24", True) == 1.0 and view.data.reward == "digit_match"
-    assert len(checked["add"][1]) == 100 * 100
+    assert eval_sets == []  # a data set from a path has no default evaluation
+    assert len(checked["add"].rows) == 100 * 100
+    assert [s.dataset.task for s in checked["add"].eval_sets] == ["addition"]
     with pytest.raises(ConfigError, match=r"adapters\.1 \(mine\): .*bad\.jsonl"):
         bad = load_config(
             None,
