@@ -143,6 +143,11 @@ def rollout_as_table(r: dict[str, np.ndarray]) -> pa.Table:
         pa.DictionaryArray.from_arrays(pa.array(status_index), pa.array(STATUSES)),
         pa.array(np.zeros(samples, dtype=np.int64)),
         pc.cast(pa.array(r["group_index"] % 100), pa.string()),
+        pa.nulls(samples, pa.string()),
+        pa.array(np.ones(samples, dtype=np.int32)),
+        pa.DictionaryArray.from_arrays(
+            pa.array(np.where(r["truncated"], 1, 0).astype(np.int8)), pa.array(["done", "max_new_tokens"])
+        ),
     ]
     table = pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)
     return with_rollout_metadata(table, rollout_id=0, algorithm="grpo")

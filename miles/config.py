@@ -198,6 +198,23 @@ class RolloutConfig(_Section):
         "torch, disk for sglang",
     )
     sglang: SGLangConfig = SGLangConfig()
+    env: str | None = Field(
+        None,
+        description="multi-turn episodes in this environment (built-in: calculator; or 'pkg.mod:Class'), rewarded "
+        "by it instead of data.reward; unset: one completion per prompt",
+    )
+    max_turns: int = Field(4, gt=0, description="with rollout.env: model turns an episode may take")
+    max_episode_tokens: int | None = Field(
+        None, gt=0, description="with rollout.env: tokens after the prompt (model and environment); unset: the context"
+    )
+    env_step_timeout_s: float = Field(
+        30.0, gt=0, description="with rollout.env: an environment call that takes longer fails its episode"
+    )
+    generate_fn: str | None = Field(
+        None,
+        description="'pkg.mod:fn' producing the samples: fn(client, samples) -> list[SampleRecord] "
+        "(miles.rollout.generation); unset: one completion per prompt, or episodes with rollout.env",
+    )
 
     @model_validator(mode="after")
     def _transport(self) -> RolloutConfig:

@@ -27,6 +27,7 @@ from miles.models import ensure_embedded_model
 from miles.progress import IterationReporter
 from miles.resume import ResumePlan
 from miles.rewards import resolve_reward
+from miles.rollout.generation import resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
 from miles.rollout.weight_transport import DiskPush, DistributedTransport, ObjectStorePush
@@ -45,6 +46,7 @@ def check_inputs(config: RunConfig) -> PolicyInputs:
         raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
     try:
         Algorithm.from_config(config.algo)
+        resolve_generate_fn(config)
         return PolicyInputs(config, load_rows(config.data), resolve_reward(config.data.reward), load_eval_sets(config))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -24,3 +24,8 @@ def adapter_init_seed(run_seed: int, adapter: str) -> int:
 def eval_seed(run_seed: int, dataset: str, rollout_id: int) -> int:
     """The first sample's seed of the evaluation of data set `dataset` at rollout `rollout_id`; sample k uses this + k."""
     return ((run_seed * 1_000_003 + zlib.crc32(dataset.encode())) * 1_000_033 + rollout_id) * 1_000_037 % (2**62)
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """The seed of a sample's model turn `turn` (from 0) in a multi-turn episode; turn 0 uses the sample's own."""
+    return sample_seed if turn == 0 else (sample_seed * 1_000_039 + turn) % (2**62)

@@ -10,13 +10,14 @@ left behind and the rollout goes on.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import numbers
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from miles.concurrency import call_within, run_in_own_loop
 
 # (index, what went wrong) of a sample whose reward failed
 Failure = tuple[int, str]
@@ -37,14 +38,10 @@ class RewardScorer:
     def score(
         self, responses: list[str], labels: list[str], finished: list[bool]
     ) -> tuple[list[float | None], list[Failure]]:
-        """Each sample's reward, None where it failed; and the failures. Runs its own event loop in a thread of its
-        own, so it works whether or not the caller's thread already runs one."""
-        threads = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="reward")
-        try:
-            with ThreadPoolExecutor(max_workers=1) as runner:
-                outcomes = runner.submit(asyncio.run, self._score(threads, responses, labels, finished)).result()
-        finally:
-            threads.shutdown(wait=False, cancel_futures=True)  # a hung plain reward is not waited for
+        """Each sample's reward, None where it failed; and the failures (miles.concurrency runs the calls)."""
+        outcomes = run_in_own_loop(
+            lambda threads: self._score(threads, responses, labels, finished), self.concurrency, "reward"
+        )
         rewards: list[float | None] = []
         failures: list[Failure] = []
         for index, outcome in enumerate(outcomes):
@@ -79,12 +76,8 @@ class RewardScorer:
 
     async def _bounded(self, threads: ThreadPoolExecutor, fn: Callable, *args: Any) -> Any:
         """`fn(*args)`'s result, or why it failed: it raised, or was not done within the time limit."""
-        if inspect.iscoroutinefunction(fn):
-            call = fn(*args)
-        else:
-            call = asyncio.get_running_loop().run_in_executor(threads, fn, *args)
         try:
-            return await asyncio.wait_for(call, self.timeout_s)
+            return await call_within(threads, self.timeout_s, fn, *args)
         except TimeoutError:
             return _Failed(f"timed out after {self.timeout_s:g} s (data.reward_timeout_s)")
         except Exception as exc:  # a user's reward can fail on any response; only its samples fail

@@ -12,12 +12,12 @@ import torch
 
 from miles.config import RunConfig
 from miles.data import DataSource
-from miles.data.prompts import PromptFormatter
-from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
+from miles.engines.base import SamplingParams
 from miles.rewards import RewardFn
-from miles.rewards.scoring import RewardScorer, clip
+from miles.rewards.scoring import clip
+from miles.rollout.generation import GenerateClient, RolloutSample, SampleRecord, resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
-from miles.rollout.schema import ROLLOUT_SCHEMA, rollout_metadata, samples_table, with_rollout_metadata
+from miles.rollout.schema import ROLLOUT_SCHEMA, records_table, rollout_metadata, with_rollout_metadata
 from miles.rollout.store import RolloutStore
 from miles.seeds import rollout_seed
 from miles.train.algorithms import resolve_algorithm
@@ -43,13 +43,13 @@ class RolloutExecutor:
         self.tokenizer = tokenizer
         self.data_source = data_source
         self.store = store
-        self.prompts = PromptFormatter(tokenizer, config.data)
-        self.reward = RewardScorer(reward, config.data.reward_timeout_s, config.data.reward_concurrency)
+        self.client = GenerateClient(controller, tokenizer, config, reward)
+        self.generate_fn = resolve_generate_fn(config)
         self.sampling = SamplingParams(
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
             max_new_tokens=config.rollout.max_new_tokens,
-            stop_token_ids=eos_token_ids(tokenizer),
+            stop_token_ids=self.client.stop_token_ids,
         )
         self.advantage_estimator = resolve_algorithm("advantage_estimator", config.algo.advantage_estimator)
 
@@ -93,54 +93,29 @@ class RolloutExecutor:
         return summarize(table)
 
     def _generate_round(self, rollout_id: int, round_: int) -> pa.Table:
-        """One round's rollout_batch_size prompts x n_samples_per_prompt samples, scored. Round r of rollout i
-        takes the prompts after those of rounds 0..r-1, and sample and group numbers of slot i * max_rounds + r,
-        so they stay unique within the run."""
+        """One round's rollout_batch_size prompts x n_samples_per_prompt samples, produced by the generate function
+        (scored). Round r of rollout i takes the prompts after those of rounds 0..r-1, and sample and group numbers
+        of slot i * max_rounds + r, so they stay unique within the run."""
         cfg = self.config.rollout
         rows = self.data_source.peek(cfg.rollout_batch_size, skip=round_ * cfg.rollout_batch_size)
-        prompt_texts, prompt_ids = self.prompts.encode([r["prompt"] for r in rows])
         n = cfg.n_samples_per_prompt
         slot = rollout_id * cfg.max_generate_rounds + round_
         seed = rollout_seed(self.config.seed, rollout_id) + round_ * self.config.samples_per_rollout
-        requests = [
-            GenerateRequest(prompt_ids=ids, sampling=self.sampling, adapter=self.adapter, seed=seed + k * n + j)
-            for k, ids in enumerate(prompt_ids)
+        samples = [
+            RolloutSample(row=row, seed=seed + k * n + j, sampling=self.sampling, adapter=self.adapter)
+            for k, row in enumerate(rows)
             for j in range(n)
         ]
-        results = self.controller.generate(requests)
-
-        labels = [r["label"] for r in rows for _ in range(n)]
-        stops = self.sampling.stop_token_ids
-        responses = self.tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
-        finished = [r.finish_reason == "stop" and bool(r.output_ids) and r.output_ids[-1] in stops for r in results]
-        rewards, failures = self.reward.score(responses, labels, finished)
-        if failures:
-            index, why = failures[0]
-            log.warning(
-                "rollout %d: data.reward %r failed on %d of %d samples, which are stored as failed and not trained on; "
-                "first: sample %d (response %s) %s",
-                rollout_id,
-                self.config.data.reward,
-                len(failures),
-                len(responses),
-                index,
-                clip(repr(responses[index])),
-                why,
-            )
-
-        statuses = [
-            "failed" if r is None else "completed" if f else "truncated" for r, f in zip(rewards, finished, strict=True)
-        ]
-        return samples_table(
-            requests,
-            results,
+        self.client.context = f"rollout {rollout_id}"
+        records = self.generate_fn(self.client, samples)
+        _check_records(records, len(samples), self.config.rollout.generate_fn)
+        return records_table(
+            records,
             rollout_id=rollout_id,
             first_index=slot * self.config.samples_per_rollout,
             group_index=np.repeat(np.arange(slot * cfg.rollout_batch_size, (slot + 1) * cfg.rollout_batch_size), n),
-            raw_reward=rewards,
-            status=statuses,
-            label=labels,
-            prompt=[text for text in prompt_texts for _ in range(n)],
+            adapter=[self.adapter] * len(samples),
+            label=[s.row["label"] for s in samples],
         )
 
     def _differing_groups(self, table: pa.Table) -> int:
@@ -233,6 +208,17 @@ class RolloutExecutor:
         return kept
 
 
+def _check_records(records, expected: int, generate_fn: str | None) -> None:
+    """A generate function gives one SampleRecord per sample it was given."""
+    name = f"rollout.generate_fn {generate_fn!r}" if generate_fn else "the generate function"
+    if not isinstance(records, list) or len(records) != expected:
+        what = f"{len(records)} records" if isinstance(records, list) else clip(repr(records))
+        raise ValueError(f"{name} returned {what} for {expected} samples")
+    wrong = next((i for i, r in enumerate(records) if not isinstance(r, SampleRecord)), None)
+    if wrong is not None:
+        raise ValueError(f"{name}: record {wrong} is {clip(repr(records[wrong]))}, not a SampleRecord")
+
+
 def _without_failed(table: pa.Table) -> tuple[pa.Table, int]:
     """The table without its failed samples, and how many there were."""
     failed = pc.equal(table.column("status").cast(pa.string()), "failed")
@@ -248,6 +234,7 @@ def summarize(table: pa.Table) -> dict[str, float]:
     return {
         "reward_mean": math.nan if reward_mean is None else reward_mean,
         "response_length_mean": float(pc.mean(table.column("response_length")).as_py()),
+        "turns_mean": float(pc.mean(table.column("num_turns")).as_py()),
         "truncated_fraction": float(pc.mean(pc.equal(status, "truncated").cast(pa.float32())).as_py()),
         "samples": table.num_rows,
         "failed_samples": pc.sum(pc.equal(status, "failed")).as_py() or 0,

@@ -1,7 +1,13 @@
-"""The rollout table: one row per sample, the handover format between rollout and trainer.
+"""The rollout table: one row per sample (a completion, or a whole multi-turn episode), the handover format
+between rollout and trainer.
 
 A sample whose reward could not be computed has status "failed" and a null raw_reward; it stays in the
-stored rollout and is never trained on.
+stored rollout and is never trained on. `response_ids` holds every token after the prompt: in an episode the
+model's turns (loss_mask 1, with their log-probs) and the environment's replies (loss_mask 0, log-prob 0).
+`num_turns` counts the model's turns, `end_reason` says why the sample ended (miles.envs.base.END_REASONS).
+
+Versions: 2 had no prompt text, 3 no num_turns or end_reason; files of both are read, their missing columns
+filled (null prompt and end_reason, one turn).
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ import numpy as np
 import pyarrow as pa
 
 from miles.engines.base import GenerateRequest, GenerateResult
+from miles.rollout.generation import SampleRecord
 
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 STATUSES = ("completed", "truncated", "aborted", "failed")
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -33,50 +40,82 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("weight_version", pa.int64(), nullable=False),
         pa.field("label", pa.string()),
         pa.field("prompt", pa.string()),  # the prompt text the model was given (after any chat template)
+        pa.field("num_turns", pa.int32(), nullable=False),
+        pa.field("end_reason", pa.dictionary(pa.int8(), pa.string())),  # null in files of schema versions 2 and 3
     ],
     metadata={"schema_version": SCHEMA_VERSION},
 )
+
+
+def records_table(
+    records: Sequence[SampleRecord],
+    *,
+    rollout_id: int,
+    first_index: int,
+    group_index: Sequence[int],
+    adapter: Sequence[str | None],
+    label: Sequence[str | None],
+    advantage: Sequence[float] | None = None,
+) -> pa.Table:
+    """The rollout table of produced samples, record i making row i, numbered from `first_index`. `advantage` is
+    left null when not given (`get` fills it)."""
+    count = len(records)
+    return pa.Table.from_pydict(
+        {
+            "rollout_id": pa.array(np.full(count, rollout_id), pa.int64()),
+            "sample_index": pa.array(np.arange(first_index, first_index + count), pa.int64()),
+            "group_index": pa.array(group_index, pa.int64()),
+            "adapter": _dictionary(adapter, "adapter"),
+            "prompt_ids": pa.array([r.prompt_ids for r in records], pa.list_(pa.int32())),
+            "response_ids": pa.array([r.response_ids for r in records], pa.list_(pa.int32())),
+            "response_length": pa.array([len(r.response_ids) for r in records], pa.int32()),
+            "rollout_logprobs": pa.array([r.rollout_logprobs for r in records], pa.list_(pa.float32())),
+            "loss_mask": pa.array([r.loss_mask for r in records], pa.list_(pa.int8())),
+            "raw_reward": pa.array([r.reward for r in records], pa.float32()),
+            "advantage": pa.nulls(count, pa.float32()) if advantage is None else pa.array(advantage, pa.float32()),
+            "status": _dictionary([r.status for r in records], "status"),
+            "weight_version": pa.array([r.weight_version for r in records], pa.int64()),
+            "label": pa.array(label, pa.string()),
+            "prompt": pa.array([r.prompt for r in records], pa.string()),
+            "num_turns": pa.array([r.num_turns for r in records], pa.int32()),
+            "end_reason": _dictionary([r.end_reason for r in records], "end_reason"),
+        },
+        schema=ROLLOUT_SCHEMA,
+    )
 
 
 def samples_table(
     requests: Sequence[GenerateRequest],
     results: Sequence[GenerateResult],
     *,
-    rollout_id: int,
-    first_index: int,
-    group_index: Sequence[int],
     raw_reward: Sequence[float | None],
     status: Sequence[str],
-    label: Sequence[str],
-    prompt: Sequence[str] | None = None,
-    advantage: Sequence[float] | None = None,
+    label: Sequence[str | None],
+    prompt: Sequence[str | None] | None = None,
+    **numbering,
 ) -> pa.Table:
-    """The rollout table of generated samples: request i and its result i make row i, numbered from `first_index`;
-    every response token is trained on (loss mask 1). `advantage` is left null when not given (`get` fills it)."""
-    count = len(results)
-    lengths = [len(r.output_ids) for r in results]
-    return pa.Table.from_pydict(
-        {
-            "rollout_id": pa.array(np.full(count, rollout_id), pa.int64()),
-            "sample_index": pa.array(np.arange(first_index, first_index + count), pa.int64()),
-            "group_index": pa.array(group_index, pa.int64()),
-            "adapter": pa.array([q.adapter for q in requests], pa.string())
-            .dictionary_encode()
-            .cast(ROLLOUT_SCHEMA.field("adapter").type),
-            "prompt_ids": pa.array([q.prompt_ids for q in requests], pa.list_(pa.int32())),
-            "response_ids": pa.array([r.output_ids for r in results], pa.list_(pa.int32())),
-            "response_length": pa.array(lengths, pa.int32()),
-            "rollout_logprobs": pa.array([r.logprobs for r in results], pa.list_(pa.float32())),
-            "loss_mask": pa.array([[1] * k for k in lengths], pa.list_(pa.int8())),
-            "raw_reward": pa.array(raw_reward, pa.float32()),
-            "advantage": pa.nulls(count, pa.float32()) if advantage is None else pa.array(advantage, pa.float32()),
-            "status": pa.array(status, pa.string()).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
-            "weight_version": pa.array([r.weight_version for r in results], pa.int64()),
-            "label": pa.array(label, pa.string()),
-            "prompt": pa.nulls(count, pa.string()) if prompt is None else pa.array(prompt, pa.string()),
-        },
-        schema=ROLLOUT_SCHEMA,
-    )
+    """The rollout table of single-turn samples, request i and its result i making row i: every response token
+    trained on, each sample ending done at a stop token and at max_new_tokens otherwise. `numbering` is
+    records_table's rollout_id, first_index, group_index (and advantage)."""
+    records = [
+        SampleRecord(
+            prompt=None if prompt is None else prompt[i],
+            prompt_ids=q.prompt_ids,
+            response_ids=r.output_ids,
+            rollout_logprobs=r.logprobs,
+            loss_mask=[1] * len(r.output_ids),
+            reward=raw_reward[i],
+            status=status[i],
+            weight_version=r.weight_version,
+            end_reason="done" if r.finish_reason == "stop" else "max_new_tokens",
+        )
+        for i, (q, r) in enumerate(zip(requests, results, strict=True))
+    ]
+    return records_table(records, adapter=[q.adapter for q in requests], label=label, **numbering)
+
+
+def _dictionary(values: Sequence[str | None], column: str) -> pa.Array:
+    return pa.array(values, pa.string()).dictionary_encode().cast(ROLLOUT_SCHEMA.field(column).type)
 
 
 def with_rollout_metadata(table: pa.Table, **entries: str | int) -> pa.Table:
@@ -90,13 +129,23 @@ def rollout_metadata(table: pa.Table) -> dict[str, str]:
 
 
 def upgraded(table: pa.Table) -> pa.Table:
-    """A table of an earlier schema version in today's: version 2 had no prompt text (null)."""
-    if rollout_metadata(table).get("schema_version") == "2" and "prompt" not in table.column_names:
-        table = table.append_column(ROLLOUT_SCHEMA.field("prompt"), pa.nulls(table.num_rows, pa.string()))
-        meta = dict(table.schema.metadata or {})
-        meta[b"schema_version"] = SCHEMA_VERSION.encode()
-        table = table.replace_schema_metadata(meta)
-    return table
+    """A table of an earlier schema version in today's: version 2 had no prompt text (null), versions 2 and 3 no
+    num_turns (one turn) or end_reason (null)."""
+    version = rollout_metadata(table).get("schema_version")
+    if version not in ("2", "3"):
+        return table
+    rows = table.num_rows
+    if "prompt" not in table.column_names:
+        table = table.append_column(ROLLOUT_SCHEMA.field("prompt"), pa.nulls(rows, pa.string()))
+    if "num_turns" not in table.column_names:
+        table = table.append_column(ROLLOUT_SCHEMA.field("num_turns"), pa.array(np.ones(rows), pa.int32()))
+        table = table.append_column(
+            ROLLOUT_SCHEMA.field("end_reason"),
+            pa.nulls(rows, pa.string()).cast(ROLLOUT_SCHEMA.field("end_reason").type),
+        )
+    meta = dict(table.schema.metadata or {})
+    meta[b"schema_version"] = SCHEMA_VERSION.encode()
+    return table.replace_schema_metadata(meta)
 
 
 def check_schema(table: pa.Table, source: str) -> None:

@@ -15,10 +15,14 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
 
 from flows.sync_rl import sync_rl
+from miles.rollout.inference_controller import InferenceController
+from miles.rollout.store import RolloutStore
 from miles.run import RLRun
 from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill, sglang_server_pid
+
+ENVS = "tests.miles.envs.envs_for_tests"
 
 
 async def _history(flow_run_id):
@@ -165,3 +169,47 @@ def _kill_during_next_call(pid: int) -> int:
     os.killpg(pid, signal.SIGSTOP)
     threading.Timer(1.0, os.killpg, (pid, signal.SIGKILL)).start()
     return pid
+
+
+def test_episodes_run_through_the_flow_on_either_engine_and_an_engine_killed_mid_episode_is_retried(
+    ray_session, prefect_api, small_config, monkeypatch, tmp_path
+):
+    """rollout.env: the sync flow generates multi-turn episodes, on the TorchEngine and on SGLang (the stand-in).
+    The engine is killed as the second turns of rollout 1's episodes go out: the generate task's retry runs the
+    episodes again from their start, and the rollout is stored once. Both engines sample the same tokens."""
+    kills = {
+        "torch": lambda controller: freeze_then_kill(controller.engines[0]),
+        "sglang": lambda controller: _kill_during_next_call(sglang_server_pid(controller.engines[0])),
+    }
+    real_generate = InferenceController.generate
+    tables = {}
+    for engine, kill in kills.items():
+        calls, killed = [], []  # engine calls since rollout 1's generate began
+
+        def generate(controller, requests, kill=kill, calls=calls, killed=killed):
+            if calls and not killed:
+                calls.append(len(requests))
+                if len(calls) == 3:  # rollout 1's second call: its episodes' second turns
+                    killed.append(kill(controller))
+            return real_generate(controller, requests)
+
+        overrides = sglang_overrides() if engine == "sglang" else []
+        config = small_config(
+            f"rollout.env={ENVS}:SumQuiz", "eval.datasets=[]", *overrides, run_dir=tmp_path / engine, save_interval=2
+        )
+        with monkeypatch.context() as patch:
+            patch.setattr(InferenceController, "generate", generate)
+            fault_before(patch, RLRun, "generate", lambda run, i: i == 1, lambda run, calls=calls: calls.append(0))
+            state = sync_rl(config, return_state=True)
+
+        assert state.is_completed(), state.message
+        assert killed
+        _, task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+        retried = {r.name for r in task_runs if r.run_count > 1}
+        assert retried == {"generate[rollout=1]"}, retried
+        assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1]
+        assert_whole_rollouts(config.run_dir, range(2), config.samples_per_rollout)
+        tables[engine] = [RolloutStore(RunDir(config.run_dir).rollouts).read(i) for i in range(2)]
+        assert max(tables[engine][1].column("num_turns").to_pylist()) > 1
+    for column in ("response_ids", "loss_mask", "num_turns", "end_reason", "raw_reward"):
+        assert [t.column(column) for t in tables["torch"]] == [t.column(column) for t in tables["sglang"]], column

@@ -52,6 +52,8 @@ def rollout_table(n: int = 3, rollout_id: int = 5) -> pa.Table:
         "weight_version": [rollout_id] * n,
         "label": [str(i) for i in range(n)],
         "prompt": [f"prompt {i}" for i in range(n)],
+        "num_turns": [1] * n,
+        "end_reason": [("done", "max_new_tokens")[i % 2] for i in range(n)],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

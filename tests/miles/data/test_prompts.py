@@ -5,17 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from miles.config import DataConfig
 from miles.data import load_rows
 from miles.data.prompts import PromptFormatter
+from tests.helpers.chat import build_chat_tokenizer
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 MESSAGES = [
     {"role": "system", "content": "You are a careful solver."},
     {"role": "user", "content": "What is 12+30? Put the answer in \\boxed{}."},
@@ -24,21 +20,7 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def chat_tokenizer() -> PreTrainedTokenizerFast:
-    """A small byte-level BPE tokenizer with a ChatML template and a BOS it adds to plain text, as many have."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<s>", "<|im_start|>", "<|im_end|>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(["system user assistant What is 12+30? Put the answer in \\boxed{}. careful"] * 20, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", add_bos_token=True
-    )
-    tokenizer.chat_template = CHATML
-    return tokenizer
+    return build_chat_tokenizer(["system user assistant What is 12+30? Put the answer in \\boxed{}. careful"])
 
 
 def _template_ids(tokenizer, messages) -> list[int]:

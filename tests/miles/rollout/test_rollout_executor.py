@@ -181,7 +181,7 @@ def test_samples_whose_reward_fails_are_stored_as_failed(tmp_path, controller, t
     reward = "tests.miles.rollout.rewards_for_tests:fails_on_some_labels"
     executor, store = _generating_executor(tmp_path, controller, tokenizer, reward)
 
-    with caplog.at_level(logging.WARNING, logger="miles.rollout.rollout_executor"):
+    with caplog.at_level(logging.WARNING, logger="miles.rollout.generation"):
         summary = executor.generate(0)
 
     table = store.read(0)
@@ -196,7 +196,7 @@ def test_samples_whose_reward_fails_are_stored_as_failed(tmp_path, controller, t
     assert summary["reward_mean"] == pytest.approx(np.mean([rewards[i] for i in scored]))
     assert executor.data_source.position == len(LABELS)
 
-    warnings = [r for r in caplog.records if r.name == "miles.rollout.rollout_executor"]
+    warnings = [r for r in caplog.records if r.name == "miles.rollout.generation"]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     message = warnings[0].getMessage()
     first_text = tokenizer.decode(table.column("response_ids")[2].as_py(), skip_special_tokens=True)
@@ -213,7 +213,7 @@ def test_a_rollout_whose_rewards_all_fail_is_stored_but_not_handed_over(tmp_path
     reward = "tests.miles.rollout.rewards_for_tests:always_raises"
     executor, store = _generating_executor(tmp_path, controller, tokenizer, reward)
 
-    with caplog.at_level(logging.WARNING, logger="miles.rollout.rollout_executor"):
+    with caplog.at_level(logging.WARNING, logger="miles.rollout.generation"):
         summary = executor.generate(0)
 
     assert summary["failed_samples"] == 14 and math.isnan(summary["reward_mean"])
@@ -229,6 +229,43 @@ def test_an_interrupt_in_the_reward_function_stops_generate(tmp_path, controller
     with pytest.raises(KeyboardInterrupt):
         executor.generate(0)
     assert not store.exists(0)
+
+
+def test_a_rollout_of_episodes_stores_one_row_per_episode_with_its_mask(tmp_path, controller, tokenizer):
+    """rollout.env: each sample is an episode of the quiz, stored whole: the replies masked out of the loss, the
+    turns and end reason per row; `get` hands it over like any rollout."""
+    config = load_config(
+        None,
+        [
+            "rollout.rollout_batch_size=2",
+            "rollout.n_samples_per_prompt=2",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+            "rollout.env=tests.miles.envs.envs_for_tests:SumQuiz",
+        ],
+        run_dir=str(tmp_path),
+    )
+    rows = [{"prompt": "1+2=", "label": "3"}, {"prompt": "20+5=", "label": "25"}]
+    store = RolloutStore(RunDir(tmp_path).rollouts)
+    executor = RolloutExecutor(config, controller, tokenizer, DataSource(rows, seed=0, shuffle=False), store, None)
+
+    summary = executor.generate(0)
+
+    table = store.read(0)
+    assert table.num_rows == 4 and summary["samples"] == 4
+    for row in table.to_pylist():
+        mask, turns = row["loss_mask"], row["num_turns"]
+        assert len(mask) == len(row["response_ids"]) == len(row["rollout_logprobs"]) == row["response_length"]
+        assert mask[0] == 1 and all(lp == 0.0 for lp, m in zip(row["rollout_logprobs"], mask, strict=True) if not m)
+        # a masked run of tokens between model turns for every reply the quiz gave
+        model_runs = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+        assert model_runs == turns and 1 <= turns <= 3
+        assert (row["status"], row["end_reason"]) in (("completed", "done"), ("truncated", "max_new_tokens"))
+        assert row["raw_reward"] is not None and row["prompt"] == rows[row["group_index"]]["prompt"]
+    assert summary["turns_mean"] == pytest.approx(np.mean(table.column("num_turns").to_numpy()))
+    handed, _ = executor.get(0, trainer_version=0)
+    assert handed.num_rows == 4 and np.isfinite(handed.column("advantage").to_numpy()).all()
+    assert executor.generate(0) == summary  # stored once: a retry reads the file
 
 
 def _with_rewards(table, rewards):

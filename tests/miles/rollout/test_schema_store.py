@@ -44,16 +44,27 @@ def test_round_trip(tmp_path):
     assert meta == {"schema_version": SCHEMA_VERSION, "rollout_id": "5", "weight_version": "7"}
 
 
-def test_a_rollout_stored_before_the_prompt_column_reads_with_null_prompts(tmp_path):
-    """Schema version 2 had no prompt text: a run directory from then resumes."""
+@pytest.mark.parametrize(
+    "version, dropped",
+    [("2", ["prompt", "num_turns", "end_reason"]), ("3", ["num_turns", "end_reason"])],
+)
+def test_a_rollout_of_an_earlier_schema_reads_with_its_missing_columns_filled(tmp_path, version, dropped):
+    """Version 2 had no prompt text, 2 and 3 no turn count or end reason: a run directory from then resumes, each
+    sample one turn, its prompt text and end reason unknown (null)."""
     store = RolloutStore(RunDir(tmp_path).rollouts)
     table = with_rollout_metadata(rollout_table(), rollout_id=5)
-    old = table.drop_columns(["prompt"]).replace_schema_metadata({**table.schema.metadata, b"schema_version": b"2"})
+    old = table.drop_columns(dropped).replace_schema_metadata(
+        {**table.schema.metadata, b"schema_version": version.encode()}
+    )
     with pa.OSFile(str(store.path(5)), "wb") as sink, pa.ipc.new_file(sink, old.schema) as writer:
         writer.write_table(old)
     read = store.read(5)
-    assert read.column("prompt").to_pylist() == [None] * 3 and rollout_metadata(read)["schema_version"] == "3"
-    assert read.drop_columns(["prompt"]).to_pylist() == old.to_pylist()
+    assert rollout_metadata(read)["schema_version"] == SCHEMA_VERSION == "4"
+    assert read.column("num_turns").to_pylist() == [1] * 3
+    assert read.column("end_reason").to_pylist() == [None] * 3
+    if "prompt" in dropped:
+        assert read.column("prompt").to_pylist() == [None] * 3
+    assert read.drop_columns(dropped).to_pylist() == old.to_pylist()
 
 
 def test_overwrite_replaces(tmp_path):

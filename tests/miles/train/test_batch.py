@@ -50,6 +50,8 @@ def rollout_table(samples) -> pa.Table:
         "weight_version": [0] * n,
         "label": ["x"] * n,
         "prompt": ["p"] * n,
+        "num_turns": [1] * n,
+        "end_reason": ["done"] * n,
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

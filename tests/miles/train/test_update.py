@@ -48,6 +48,8 @@ def _one_token_rollout(advantage: float) -> pa.Table:
         "weight_version": [0],
         "label": [""],
         "prompt": ["p"],
+        "num_turns": [1],
+        "end_reason": ["done"],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
@@ -116,3 +118,67 @@ def test_kl_penalty_leaves_advantages_alone_without_kl_in_reward():
         torch.tensor([0.5], dtype=torch.float64), mask, algo, Algorithm.from_config(algo), None, None
     )
     torch.testing.assert_close(out, torch.full((1, 3), 0.5, dtype=torch.float64))
+
+
+def _episode_table(tokenizer, response: str, mask: list[int], env_logprob: float) -> pa.Table:
+    """One episode of prompt "1+2=" whose response tokens (one per character) carry `mask`: log-prob -1 on model
+    tokens, `env_logprob` on environment tokens."""
+    ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(mask)
+    columns = {
+        "rollout_id": [0, 0],
+        "sample_index": [0, 1],
+        "group_index": [0, 0],
+        "adapter": [None, None],
+        "prompt_ids": [tokenizer("1+2=")["input_ids"]] * 2,
+        "response_ids": [ids, ids[:2]],
+        "response_length": [len(ids), 2],
+        "rollout_logprobs": [[-1.0 if m else env_logprob for m in mask], [-1.0, -1.0]],
+        "loss_mask": [mask, [1, 1]],
+        "raw_reward": [1.0, 0.0],
+        "advantage": [1.0, -1.0],
+        "status": ["completed", "completed"],
+        "weight_version": [0, 0],
+        "label": ["", ""],
+        "prompt": ["1+2=", "1+2="],
+        "num_turns": [2, 1],
+        "end_reason": ["done", "done"],
+    }
+    return pa.table(columns, schema=ROLLOUT_SCHEMA)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_environment_tokens_leave_the_loss_and_the_gradient_alone(tiny_model_dir, tokenizer, aggregation):
+    """Environment tokens (loss mask 0) are context only: their ids after the last model token, and their log-probs
+    anywhere, change neither the loss nor the gradient (policy loss, entropy, TIS and aggregation alike); the same
+    change on model tokens does."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(
+        None,
+        [
+            "rollout.rollout_batch_size=1",
+            "rollout.n_samples_per_prompt=2",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+            "algo.entropy_coef=0.01",
+            f"algo.loss_aggregation={aggregation}",
+        ],
+    )
+
+    def gradient(response: str, mask: list[int], env_logprob: float) -> tuple[float, dict[str, torch.Tensor]]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        table = _episode_table(tokenizer, response, mask, env_logprob)
+        metrics = train_on_rollout(model, optimizer, list(model.parameters()), table, config, torch.device("cpu"), 0)
+        return metrics["loss"], {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    # model "3<eos>"-like turn, the environment's "4+5=", the model's "9", the environment's trailing "77"
+    mask = [1, 0, 0, 0, 0, 1, 0, 0]
+    loss, grads = gradient("34+5=977", mask, env_logprob=0.0)
+    for response, env_logprob in (("34+5=912", 0.0), ("34+5=977", -7.5)):
+        other_loss, other = gradient(response, mask, env_logprob)
+        assert other_loss == loss
+        assert all(torch.equal(grads[name], other[name]) for name in grads)
+    changed_loss, changed = gradient("34+5=977", [1, 0, 0, 0, 0, 1, 1, 0], env_logprob=0.0)
+    assert changed_loss != loss and any(not torch.equal(grads[n], changed[n]) for n in grads)
