@@ -4,7 +4,7 @@ by its reward, giving the mean reward and pass@k of the data set.
 pass@k is the unbiased estimator of Chen et al. 2021, "Evaluating Large Language Models Trained on Code" (eq. 1):
 with n samples of a prompt of which c pass, pass@k = 1 - C(n-c, k) / C(n, k), averaged over the prompts; computed
 as 1 - prod_{i=n-c+1..n} (1 - k/i), their numerically stable form. A sample passes when its reward is at least the
-data set's `pass_threshold`; a sample whose reward failed does not pass, and is left out of the mean reward.
+data set's `pass_threshold`; a sample whose reward failed (or whose episode failed) does not pass, and is left out of the mean reward.
 k runs over 1, 2, 4, ... up to n, and n itself.
 
 An evaluation never touches the training data cursor and draws its seeds from (run seed, data set, rollout_id), so
@@ -23,10 +23,9 @@ import numpy as np
 
 from miles.config import EvalDatasetConfig, RunConfig
 from miles.data import load_rows
-from miles.data.prompts import PromptFormatter
-from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
+from miles.engines.base import SamplingParams
 from miles.rewards import RewardFn, resolve_reward
-from miles.rewards.scoring import RewardScorer, clip
+from miles.rollout.generation import GenerateClient, RolloutSample, SampleRecord, resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
 from miles.seeds import eval_seed
 
@@ -86,7 +85,9 @@ def eval_metrics(rewards: list[float | None], n: int, pass_threshold: float) -> 
 
 
 class Evaluation:
-    """A policy's eval data sets on the engines; `run(eval_set, rollout_id)` gives the record of one evaluation."""
+    """A policy's eval data sets on the engines; `run(eval_set, rollout_id)` gives the record of one evaluation.
+    Samples come from the run's generate function (single completions, or episodes with rollout.env), each data set
+    through a client of its own (its prompt format and reward)."""
 
     def __init__(
         self,
@@ -98,71 +99,50 @@ class Evaluation:
     ):
         self.config = config
         self.sets = sets
-        self.controller = controller
-        self.tokenizer = tokenizer
         self.adapter = adapter
-        self.stops = eos_token_ids(tokenizer)
+        self.generate_fn = resolve_generate_fn(config)
+        self.clients = {
+            s.dataset.name: GenerateClient(controller, tokenizer, config, s.reward, s.dataset) for s in sets
+        }
         self.rows = {s.dataset.name: s.evaluated_rows(config.seed) for s in sets}
 
     def run(self, eval_set: EvalSet, rollout_id: int) -> dict[str, Any]:
         dataset = eval_set.dataset
         started = time.perf_counter()
         n = dataset.n_samples_per_prompt
-        rows = self.rows[dataset.name]
-        _, prompt_ids = PromptFormatter(self.tokenizer, dataset).encode([r["prompt"] for r in rows])
+        client = self.clients[dataset.name]
+        client.context = f"eval {dataset.name} at rollout {rollout_id}"
         sampling = SamplingParams(
             temperature=dataset.temperature,
             top_p=dataset.top_p,
             max_new_tokens=dataset.max_new_tokens or self.config.rollout.max_new_tokens,
-            stop_token_ids=self.stops,
+            stop_token_ids=client.stop_token_ids,
         )
         seed = eval_seed(self.config.seed, dataset.name, rollout_id)
-        requests = [
-            GenerateRequest(prompt_ids=ids, sampling=sampling, adapter=self.adapter, seed=seed + k * n + j)
-            for k, ids in enumerate(prompt_ids)
+        samples = [
+            RolloutSample(row=row, seed=seed + k * n + j, sampling=sampling, adapter=self.adapter)
+            for k, row in enumerate(self.rows[dataset.name])
             for j in range(n)
         ]
         # Never more at once than a rollout asks of the engines.
         batch = self.config.samples_per_rollout
-        results = []
-        for start in range(0, len(requests), batch):
-            results += self.controller.generate(requests[start : start + batch])
-            if len(requests) > batch:
-                log.info(
-                    "eval %s at rollout %d: %d of %d samples", dataset.name, rollout_id, len(results), len(requests)
-                )
-        responses = self.tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True)
-        finished = [
-            r.finish_reason == "stop" and bool(r.output_ids) and r.output_ids[-1] in self.stops for r in results
-        ]
-        labels = [row["label"] for row in rows for _ in range(n)]
-        scorer = RewardScorer(eval_set.reward, dataset.reward_timeout_s, dataset.reward_concurrency)
-        rewards, failures = scorer.score(responses, labels, finished)
-        if failures:
-            index, why = failures[0]
-            log.warning(
-                "eval %s at rollout %d: reward %r failed on %d of %d samples (they do not pass); first: sample %d "
-                "(response %s) %s",
-                dataset.name,
-                rollout_id,
-                dataset.reward,
-                len(failures),
-                len(responses),
-                index,
-                clip(repr(responses[index])),
-                why,
-            )
+        records: list[SampleRecord] = []
+        for start in range(0, len(samples), batch):
+            records += self.generate_fn(client, samples[start : start + batch])
+            if len(samples) > batch:
+                log.info("%s: %d of %d samples", client.context, len(records), len(samples))
+        rewards = [r.reward for r in records]
         record: dict[str, Any] = {"rollout_id": rollout_id, "eval": dataset.name}
         if self.adapter:
             record["adapter"] = self.adapter
         record.update(
-            weight_version=min(r.weight_version for r in results),
+            weight_version=min(r.weight_version for r in records),
             **eval_metrics(rewards, n, dataset.pass_threshold),
-            prompts=len(rows),
-            samples=len(results),
-            failed_samples=len(failures),
-            truncated_fraction=float(np.mean([not f for f in finished])),
-            response_length_mean=float(np.mean([len(r.output_ids) for r in results])),
+            prompts=len(self.rows[dataset.name]),
+            samples=len(records),
+            failed_samples=sum(r is None for r in rewards),
+            truncated_fraction=float(np.mean([r.status == "truncated" for r in records])),
+            response_length_mean=float(np.mean([len(r.response_ids) for r in records])),
             time_eval=time.perf_counter() - started,
             finished_at=time.time(),
         )

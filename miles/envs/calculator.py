@@ -44,3 +44,13 @@ class CalculatorEnv:
             return StepResult(reward=1.0 if model_turn.strip() == self.label else 0.0, done=True)
         value = evaluate(call.group(1))
         return StepResult(observation=f"<result>{'' if value is None else value}</result>")
+
+
+def demonstration(row: dict, use_tool: bool) -> list[tuple[str, bool]]:
+    """A worked episode for the supervised warm-up, as (text, the model's) turns after the prompt: one call of the
+    calculator on the whole sum, its result, then the answer; or the answer alone."""
+    answer = (row["label"], True)
+    if not use_tool:
+        return [answer]
+    expression = row["prompt"].removesuffix("=")
+    return [(f"<calc>{expression}</calc>", True), (f"<result>{evaluate(expression)}</result>", False), answer]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from miles.config import ModelConfig
@@ -29,11 +29,15 @@ CHARACTERS = "0123456789+-="
 _BUILD_VERSION = "tiny-llama-v1"
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character; the post-processor prepends BOS so `tok("1+2=")` gives the model's prompt ids."""
+def build_tokenizer(tool_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """One token per character; the post-processor prepends BOS so `tok("1+2=")` gives the model's prompt ids.
+    `tool_tokens` (a tool environment's markup, e.g. `<calc>`) are one token each, after the characters."""
     vocab = {PAD: 0, BOS: 1, EOS: 2}
     vocab.update({ch: i + 3 for i, ch in enumerate(CHARACTERS)})
+    vocab.update({token: len(vocab) + i for i, token in enumerate(tool_tokens)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    # Matched before the per-character split, and kept when decoding (they are not special).
+    tok.add_tokens([AddedToken(token, normalized=False, special=False) for token in tool_tokens])
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(
@@ -42,6 +46,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left"
     )
+
+
+def tool_tokens(tasks: Sequence[str]) -> tuple[str, ...]:
+    """The tokens the tasks' tools need: the calculator's markup for the sums task."""
+    from miles.envs.arithmetic import SUMS
+    from miles.envs.calculator import TOOL_TOKENS
+
+    return TOOL_TOKENS if SUMS in tasks else ()
 
 
 def build_tiny_model(config: ModelConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
@@ -92,7 +104,7 @@ def ensure_embedded_model(config: ModelConfig, tasks: Sequence[str], seed: int, 
     if (target / "warmup.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(tool_tokens(tasks))
     model = build_tiny_model(config, len(tokenizer), seed)
     report = warm_up(model, tokenizer, tasks, config.warmup, seed)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=root))

@@ -11,11 +11,14 @@ import torch
 
 from miles.config import WarmupConfig
 from miles.envs import task_rows
+from miles.envs.arithmetic import SUMS
+from miles.envs.calculator import demonstration
 from miles.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 
 IGNORE = -100
+TOOL_SHARE = 0.5  # of the sums task's warm-up sequences that call the calculator; RL learns which pays
 
 
 def eval_rows(task: str, n: int, seed: int) -> list[dict[str, str]]:
@@ -50,23 +53,42 @@ def greedy_accuracy(
     return correct / len(rows)
 
 
-def _sft_tensors(tokenizer, rows) -> tuple[torch.Tensor, torch.Tensor]:
+def _turns(task: str, row: dict[str, str], draw: random.Random) -> list[tuple[str, bool]]:
+    """What follows the prompt in a warm-up sequence, as (text, the model's) turns: the answer; for the sums task,
+    a share TOOL_SHARE of them a worked calculator episode instead."""
+    if task == SUMS:
+        return demonstration(row, use_tool=draw.random() < TOOL_SHARE)
+    return [(row["label"], True)]
+
+
+def _sft_tensors(tokenizer, rows, turns: list[list[tuple[str, bool]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt, then each turn; a model turn is trained on and ends with EOS, an environment turn is context only."""
     prompts = tokenizer([r["prompt"] for r in rows])["input_ids"]
-    answers = tokenizer([r["label"] for r in rows], add_special_tokens=False)["input_ids"]
-    width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers, strict=True))
+    sequences, trained = [], []
+    for prompt, row_turns in zip(prompts, turns, strict=True):
+        seq, mask = list(prompt), [False] * len(prompt)
+        for text, by_model in row_turns:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + (
+                [tokenizer.eos_token_id] if by_model else []
+            )
+            seq, mask = seq + ids, mask + [by_model] * len(ids)
+        sequences.append(seq)
+        trained.append(mask)
+    width = max(len(seq) for seq in sequences)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
-        seq = p + a + [tokenizer.eos_token_id]
+    for i, (seq, mask) in enumerate(zip(sequences, trained, strict=True)):
         input_ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, len(p) : len(seq)] = torch.tensor(seq[len(p) :])
+        labels[i, : len(seq)] = torch.where(torch.tensor(mask), torch.tensor(seq), IGNORE)
     return input_ids, labels
 
 
 def warm_up(model, tokenizer, tasks: Sequence[str], config: WarmupConfig, seed: int) -> dict:
     """SFT on the union of the tasks' rows; the held-out set has an equal share of each task."""
-    rows = [row for task in tasks for row in task_rows(task)]
-    input_ids, labels = _sft_tensors(tokenizer, rows)
+    draw = random.Random(seed)
+    tasks_rows = [(task, row) for task in tasks for row in task_rows(task)]
+    rows = [row for _, row in tasks_rows]
+    input_ids, labels = _sft_tensors(tokenizer, rows, [_turns(task, row, draw) for task, row in tasks_rows])
     attention = (input_ids != tokenizer.pad_token_id).long()
     share = -(-config.eval_prompts // len(tasks))
     held_out = [row for task in tasks for row in eval_rows(task, share, seed + 1)]

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from miles.config import RunConfig
+from miles.config import DataConfig, RunConfig
 from miles.data.prompts import Prompt, PromptFormatter
 from miles.engines.base import GenerateRequest, GenerateResult, SamplingParams, eos_token_ids
 from miles.registry import import_callable
@@ -67,12 +67,15 @@ class GenerateClient:
     """What a generate function works with: the engines (`generate`, merged with every concurrent caller's
     requests), the tokenizer and prompt formatting, the run's reward and config."""
 
-    def __init__(self, controller, tokenizer, config: RunConfig, reward: RewardFn | object):
+    def __init__(
+        self, controller, tokenizer, config: RunConfig, reward: RewardFn | object, data: DataConfig | None = None
+    ):
         self.controller = controller
         self.tokenizer = tokenizer
         self.config = config
-        self.prompts = PromptFormatter(tokenizer, config.data)
-        self.scorer = RewardScorer(reward, config.data.reward_timeout_s, config.data.reward_concurrency)
+        self.data = data or config.data  # the data set sampled: the training data, or an eval data set
+        self.prompts = PromptFormatter(tokenizer, self.data)
+        self.scorer = RewardScorer(reward, self.data.reward_timeout_s, self.data.reward_concurrency)
         self.stop_token_ids = eos_token_ids(tokenizer)
         self.context = "rollout"  # names the work in log lines ("rollout 12"); the executor sets it per round
 
@@ -105,10 +108,10 @@ class GenerateClient:
         if failures:
             index, why = failures[0]
             log.warning(
-                "%s: data.reward %r failed on %d of %d samples, which are stored as failed and not trained on; "
+                "%s: reward %r failed on %d of %d samples (stored as failed: not trained on, not passing); "
                 "first: sample %d (response %s) %s",
                 self.context,
-                self.config.data.reward,
+                self.data.reward,
                 len(failures),
                 len(responses),
                 index,

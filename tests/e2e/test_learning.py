@@ -8,6 +8,7 @@ code and seeds give +0.05 reward here, more elsewhere), so the bar asks for lear
 """
 
 import pytest
+from transformers import AutoTokenizer
 
 from miles.config import load_config
 from miles.run_dir import RunDir
@@ -117,3 +118,40 @@ def test_multi_lora_flow_learns_both_tasks(ray_session, prefect_api, tmp_path, m
     for name, report in reports.items():
         assert report["last25"] - report["first25"] >= 0.02, (name, report)
         assert report["greedy"][1] > report["greedy"][0], (name, report)
+
+
+def test_the_model_learns_to_use_the_calculator(ray_session, tmp_path, model_cache_env):
+    """deployments/configs/calculator.yaml for 8 rollouts: sums of three numbers, the calculator at hand. The warm-up
+    calls it in half its examples. Bar: the mean sampled reward of the last 3 rollouts at least 0.15 above the first
+    3, and the share of episodes that call the calculator on the whole sum too (each a mean of 3 x 512 episodes:
+    about 0.013 of noise for a share near 0.5, so 0.15 is more than 8 times the noise of their difference;
+    the run gains about 0.3 in both here); and greedy accuracy on 200 held-out sums (episodes) above the start."""
+    from miles.envs.calculator import CALL, evaluate
+    from miles.loop import run_sync
+    from miles.rollout.store import RolloutStore
+
+    config = load_config("deployments/configs/calculator.yaml", [], run_dir=str(tmp_path / "run"), num_rollout=8)
+    run_sync(config)
+
+    run_dir = RunDir(config.run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir.recorded_initial_model())
+    rewards, tool_use = [], []
+    for record in run_dir.metrics():
+        table = RolloutStore(run_dir.rollouts).read(record["rollout_id"])
+        responses = tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
+        labels = table.column("label").to_pylist()
+        calls = [CALL.match(response.split("<result>")[0]) for response in responses]
+        tool_use.append(
+            sum(c is not None and str(evaluate(c.group(1))) == label for c, label in zip(calls, labels, strict=True))
+            / len(labels)
+        )
+        rewards.append(record["reward_mean"])
+    report = {
+        "reward": (sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3),
+        "tool_use": (sum(tool_use[:3]) / 3, sum(tool_use[-3:]) / 3),
+        "greedy": _greedy_accuracy(run_dir, "sums"),
+    }
+    print(report)
+    assert report["reward"][1] - report["reward"][0] >= 0.15, report
+    assert report["tool_use"][1] - report["tool_use"][0] >= 0.15, report
+    assert report["greedy"][1] > report["greedy"][0], report

@@ -263,7 +263,7 @@ def test_samples_whose_reward_fails_are_counted_and_the_run_goes_on(small_config
 
     assert [(r["rollout_id"], r["failed_samples"]) for r in records] == [(0, 8), (1, 8)]
     assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1]
-    assert f"data.reward {reward!r} failed on 8 of 32 samples" in caplog.text
+    assert f"rollout 0: reward {reward!r} failed on 8 of 32 samples" in caplog.text
     table = pa.ipc.open_file(pa.memory_map(str(Path(config.run_dir) / "rollouts" / "rollout_0.arrow"))).read_all()
     failed = [row for row in table.to_pylist() if row["status"] == "failed"]
     assert sorted({row["label"] for row in failed}) == ["nan", "raise"] and all(

@@ -37,3 +37,12 @@ def test_unknown_task():
     assert "subtraction_nope" in str(info.value)
     assert "addition" in str(info.value)
     assert "addition" in TASKS
+
+
+def test_sums_rows_are_a_fixed_sample_of_three_operand_sums():
+    rows = task_rows("sums")
+    assert len(rows) == 20_000 and rows == task_rows("sums")
+    for row in rows[::499]:
+        operands = row["prompt"].removesuffix("=").split("+")
+        assert len(operands) == 3 and all(0 <= int(x) <= 99 for x in operands)
+        assert int(row["label"]) == sum(map(int, operands))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles.envs.base import Environment, resolve_environment
-from miles.envs.calculator import CalculatorEnv, evaluate
+from miles.envs.calculator import CalculatorEnv, demonstration, evaluate
 
 
 @pytest.mark.parametrize(
@@ -26,3 +26,13 @@ def test_an_episode_calls_the_calculator_then_answers():
     final = env.step("102")
     assert (final.reward, final.done) == (1.0, True)
     assert env.step(" 101 ").reward == 0.0
+
+
+def test_the_warm_up_demonstration_calls_the_calculator_on_the_whole_sum():
+    row = {"prompt": "12+34+56=", "label": "102"}
+    assert demonstration(row, use_tool=False) == [("102", True)]
+    assert demonstration(row, use_tool=True) == [
+        ("<calc>12+34+56</calc>", True),
+        ("<result>102</result>", False),  # the environment's turn: context, not trained on
+        ("102", True),
+    ]

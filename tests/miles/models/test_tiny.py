@@ -116,3 +116,25 @@ def test_tiny_model_dir_tokenizer_fits_the_embedding(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(tokenizer) <= config.vocab_size
     assert max(tokenizer.get_vocab().values()) < config.vocab_size
+
+
+def test_a_tool_task_grows_the_tokenizer_by_the_tools_markup():
+    from miles.envs.calculator import TOOL_TOKENS
+    from miles.models.tiny import tool_tokens
+
+    assert tool_tokens(["addition"]) == () and tool_tokens(["sums"]) == TOOL_TOKENS
+    tok = build_tokenizer(TOOL_TOKENS)
+    assert len(tok) == 3 + len(CHARACTERS) + len(TOOL_TOKENS)
+    ids = tok("<calc>12+3</calc><result>15</result>", add_special_tokens=False)["input_ids"]
+    assert ids == [
+        tok.convert_tokens_to_ids("<calc>"),
+        *_char_ids(tok, "12+3"),
+        tok.convert_tokens_to_ids("</calc>"),
+    ] + [
+        tok.convert_tokens_to_ids("<result>"),
+        *_char_ids(tok, "15"),
+        tok.convert_tokens_to_ids("</result>"),
+    ]
+    # Kept when decoding without special tokens: the environment reads the call from the text.
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "<calc>12+3</calc><result>15</result>"
+    assert build_tokenizer()("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
