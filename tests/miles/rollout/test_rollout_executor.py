@@ -411,3 +411,18 @@ def test_an_interrupted_round_is_drawn_again_on_retry(tmp_path):
     assert retried_store.read(0).equals(whole_store.read(0))
     assert retried.data_source.position == whole.data_source.position == 6
     assert retried.generate(0)["generate_rounds"] == 3  # a further retry reads the stored rollout
+
+
+def test_a_generate_function_by_import_path_produces_the_rollout(tmp_path):
+    executor, store = _executor(tmp_path, 5, "rollout.generate_fn=tests.miles.rollout.rewards_for_tests:echo_generate")
+    summary = executor.generate(0)
+    table = store.read(0)
+    assert table.num_rows == 20 and summary["samples"] == 20 and summary["weight_version"] == 3
+    row = table.to_pylist()[0]
+    assert row["response_ids"] == [ord(ch) for ch in "1+1="] and row["loss_mask"] == [1, 1, 0, 0]
+    assert (row["num_turns"], row["end_reason"], row["prompt"]) == (2, "done", "1+1=")
+    assert table.column("raw_reward").to_pylist()[:2] == [4.0, 5.0]  # the seeds of a group's samples differ
+
+    bad, _ = _executor(tmp_path / "bad", 5, "rollout.generate_fn=tests.miles.rollout.rewards_for_tests:too_few_records")
+    with pytest.raises(ValueError, match=r"rollout.generate_fn '.*too_few_records' returned 19 records for 20"):
+        bad.generate(0)
