@@ -229,6 +229,15 @@ class RolloutConfig(_Section):
     def transport(self) -> str:
         return self.weight_transport or ("disk" if self.engine == "sglang" else "object_store")
 
+    @property
+    def max_model_tokens(self) -> int:
+        """The most tokens the model generates in one sample: max_new_tokens, or for an episode max_turns of them
+        (within max_episode_tokens). The horizon of the seq_mean_token_sum_norm aggregation."""
+        if self.env is None:
+            return self.max_new_tokens
+        episode = self.max_turns * self.max_new_tokens
+        return episode if self.max_episode_tokens is None else min(episode, self.max_episode_tokens)
+
 
 class AlgoConfig(_Section):
     """The RL algorithm, by name (README, Algorithms: each option, its formula and its paper)."""

@@ -32,6 +32,16 @@ def tiny_model_dir(model_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tool_model_dir(model_cache) -> Path:
+    """The embedded model of the sums task, with the calculator's tokens, warmed up as its shipped config does."""
+    from miles.config import ModelConfig, WarmupConfig
+    from miles.models import ensure_embedded_model
+
+    config = ModelConfig(warmup=WarmupConfig(max_steps=300, eval_every=300, target_accuracy=1.0))
+    return ensure_embedded_model(config, ["sums"], seed=0, cache_root=model_cache)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

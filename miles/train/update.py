@@ -124,7 +124,7 @@ def train_on_rollout(
     for pass_ in range(config.train.num_passes):
         for start in range(0, len(batch), local_gbs):
             (step_tokens,) = _all_reduce_sum([float(mask_all[start : start + local_gbs].sum())])
-            scale = LossScale(tokens=max(step_tokens, 1.0), sequences=gbs, horizon=config.rollout.max_new_tokens)
+            scale = LossScale(tokens=max(step_tokens, 1.0), sequences=gbs, horizon=config.rollout.max_model_tokens)
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             for m in range(start, start + local_gbs, mbs):

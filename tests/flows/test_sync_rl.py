@@ -22,7 +22,7 @@ from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill, sglang_server_pid
 
-ENVS = "tests.miles.envs.envs_for_tests"
+CALCULATOR = ["data.task=sums", "rollout.env=calculator", "rollout.max_new_tokens=12", "eval.datasets=[]"]
 
 
 async def _history(flow_run_id):
@@ -172,11 +172,11 @@ def _kill_during_next_call(pid: int) -> int:
 
 
 def test_episodes_run_through_the_flow_on_either_engine_and_an_engine_killed_mid_episode_is_retried(
-    ray_session, prefect_api, small_config, monkeypatch, tmp_path
+    ray_session, prefect_api, small_config, monkeypatch, tmp_path, tool_model_dir
 ):
-    """rollout.env: the sync flow generates multi-turn episodes, on the TorchEngine and on SGLang (the stand-in).
-    The engine is killed as the second turns of rollout 1's episodes go out: the generate task's retry runs the
-    episodes again from their start, and the rollout is stored once. Both engines sample the same tokens."""
+    """The calculator task: the sync flow generates multi-turn episodes, on the TorchEngine and on SGLang (the
+    stand-in). The engine is killed as the second turns of rollout 1's episodes go out: the generate task's retry
+    runs the episodes again from their start, and the rollout is stored once. Both engines sample the same tokens."""
     kills = {
         "torch": lambda controller: freeze_then_kill(controller.engines[0]),
         "sglang": lambda controller: _kill_during_next_call(sglang_server_pid(controller.engines[0])),
@@ -195,7 +195,7 @@ def test_episodes_run_through_the_flow_on_either_engine_and_an_engine_killed_mid
 
         overrides = sglang_overrides() if engine == "sglang" else []
         config = small_config(
-            f"rollout.env={ENVS}:SumQuiz", "eval.datasets=[]", *overrides, run_dir=tmp_path / engine, save_interval=2
+            *CALCULATOR, f"model.path={tool_model_dir}", *overrides, run_dir=tmp_path / engine, save_interval=2
         )
         with monkeypatch.context() as patch:
             patch.setattr(InferenceController, "generate", generate)

@@ -354,3 +354,10 @@ def test_bad_eval_settings_are_named(overrides, message):
 def test_an_adapter_evaluates_its_own_task():
     view = load_config().adapter_view(AdapterConfig(name="sub", data=DataConfig(task="subtraction")))
     assert [(d.name, d.task) for d in view.eval_datasets] == [("subtraction", "subtraction")]
+
+
+def test_the_generation_budget_of_a_sample_counts_every_turn_of_an_episode():
+    assert load_config(None, ["rollout.max_new_tokens=6"]).rollout.max_model_tokens == 6
+    episodes = ["rollout.env=calculator", "rollout.max_new_tokens=6", "rollout.max_turns=3"]
+    assert load_config(None, episodes).rollout.max_model_tokens == 18
+    assert load_config(None, [*episodes, "rollout.max_episode_tokens=10"]).rollout.max_model_tokens == 10

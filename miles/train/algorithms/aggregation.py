@@ -20,7 +20,7 @@ class LossScale:
 
     tokens: float  # trained tokens in the global batch
     sequences: int  # samples in the global batch
-    horizon: int  # Dr. GRPO's constant length: rollout.max_new_tokens, the generation budget
+    horizon: int  # Dr. GRPO's constant length: the generation budget of a sample (rollout.max_model_tokens)
 
 
 def token_mean(values: torch.Tensor, mask: torch.Tensor, scale: LossScale) -> torch.Tensor:

@@ -147,11 +147,13 @@ def _episode_table(tokenizer, response: str, mask: list[int], env_logprob: float
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+)
 def test_environment_tokens_leave_the_loss_and_the_gradient_alone(tiny_model_dir, tokenizer, aggregation):
     """Environment tokens (loss mask 0) are context only: their ids after the last model token, and their log-probs
-    anywhere, change neither the loss nor the gradient (policy loss, entropy, TIS and aggregation alike); the same
-    change on model tokens does."""
+    anywhere, change neither the loss nor the gradient (policy loss, KL to the reference, entropy, TIS and
+    aggregation alike); the same change on model tokens does."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(
@@ -162,15 +164,22 @@ def test_environment_tokens_leave_the_loss_and_the_gradient_alone(tiny_model_dir
             "train.global_batch_size=2",
             "train.micro_batch_size=2",
             "algo.entropy_coef=0.01",
+            "algo.use_kl_loss=true",
+            "algo.kl_loss_coef=0.1",
             f"algo.loss_aggregation={aggregation}",
         ],
     )
+
+    def reference(batch):  # a reference policy that puts log-prob -2 on every token
+        return torch.full_like(batch.rollout_logprobs, -2.0)
 
     def gradient(response: str, mask: list[int], env_logprob: float) -> tuple[float, dict[str, torch.Tensor]]:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         table = _episode_table(tokenizer, response, mask, env_logprob)
-        metrics = train_on_rollout(model, optimizer, list(model.parameters()), table, config, torch.device("cpu"), 0)
+        metrics = train_on_rollout(
+            model, optimizer, list(model.parameters()), table, config, torch.device("cpu"), 0, reference
+        )
         return metrics["loss"], {name: p.grad.clone() for name, p in model.named_parameters()}
 
     # model "3<eos>"-like turn, the environment's "4+5=", the model's "9", the environment's trailing "77"
