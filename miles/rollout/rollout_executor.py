@@ -39,8 +39,6 @@ class RolloutExecutor:
     ):
         self.config = config
         self.adapter = adapter
-        self.controller = controller
-        self.tokenizer = tokenizer
         self.data_source = data_source
         self.store = store
         self.client = GenerateClient(controller, tokenizer, config, reward)
