@@ -84,10 +84,14 @@ class RewardScorer:
             return _Failed(f"raised {type(exc).__name__}: {exc}")
 
 
+def finite_reward(value: Any) -> float | None:
+    """`value` as a float when it is a finite real number (a usable reward), else None."""
+    return float(value) if isinstance(value, numbers.Real) and math.isfinite(value) else None
+
+
 def _checked(value: Any) -> float | _Failed:
-    if isinstance(value, numbers.Real) and math.isfinite(value):
-        return float(value)
-    return _Failed(f"returned {clip(repr(value))}")
+    reward = finite_reward(value)
+    return _Failed(f"returned {clip(repr(value))}") if reward is None else reward
 
 
 def clip(text: str, limit: int = 80) -> str:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
-import numbers
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,7 +29,7 @@ from typing import Any
 from miles.concurrency import call_within, run_in_own_loop
 from miles.engines.base import GenerateRequest, GenerateResult
 from miles.envs.base import Observation, StepResult, resolve_environment
-from miles.rewards.scoring import clip
+from miles.rewards.scoring import clip, finite_reward
 from miles.rollout.generation import GenerateClient, RolloutSample, SampleRecord
 from miles.seeds import turn_seed
 
@@ -269,9 +267,10 @@ class EpisodeRunner:
 
 
 def _finite(value: Any, what: str) -> float:
-    if isinstance(value, numbers.Real) and math.isfinite(value):
-        return float(value)
-    raise EnvFailed("env_error", f"{what} gave the reward {clip(repr(value))}, not a finite number")
+    reward = finite_reward(value)
+    if reward is None:
+        raise EnvFailed("env_error", f"{what} gave the reward {clip(repr(value))}, not a finite number")
+    return reward
 
 
 def run_episodes(client: GenerateClient, samples: list[RolloutSample]) -> list[SampleRecord]:

@@ -126,7 +126,12 @@ GenerateFn = Callable[[GenerateClient, list[RolloutSample]], list[SampleRecord]]
 
 def single_turn(client: GenerateClient, samples: list[RolloutSample]) -> list[SampleRecord]:
     """One completion per sample, every token trained on, scored by `data.reward`."""
-    texts, prompt_ids = client.encode_prompts([s.row["prompt"] for s in samples])
+    # The n samples of a prompt share its row: each prompt is formatted and tokenized once.
+    prompts = {id(s.row): s.row["prompt"] for s in samples}
+    unique_texts, unique_ids = client.encode_prompts(list(prompts.values()))
+    at = {row: k for k, row in enumerate(prompts)}
+    texts = [unique_texts[at[id(s.row)]] for s in samples]
+    prompt_ids = [unique_ids[at[id(s.row)]] for s in samples]
     requests = [
         GenerateRequest(prompt_ids=ids, sampling=s.sampling, adapter=s.adapter, seed=s.seed)
         for s, ids in zip(samples, prompt_ids, strict=True)
