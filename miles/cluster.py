@@ -41,11 +41,14 @@ def free_address() -> tuple[str, int]:
         return host, probe.getsockname()[1]
 
 
-def actor_options(device: str = "cpu", gpus: int = 1) -> dict:
+ENGINE_CONCURRENCY = 64  # calls an engine actor takes at once: generations of every caller, pushes, health checks
+
+
+def actor_options(device: str = "cpu", gpus: int = 1, concurrency: int = 1) -> dict:
     # One logical CPU per actor: Ray schedules, torch.set_num_threads decides the real threads. A one-GPU CUDA actor
     # asks for a sliver of a GPU, so that Ray exposes one to it and the engine and trainer can share it; a
     # tensor-parallel server asks for its whole GPUs.
-    options = {"num_cpus": 1, "max_concurrency": 1}
+    options = {"num_cpus": 1, "max_concurrency": concurrency}
     if device.startswith("cuda"):
         options["num_gpus"] = 0.01 if gpus == 1 else gpus
     return options

@@ -191,6 +191,20 @@ class RolloutConfig(_Section):
     max_weight_staleness: int | None = Field(
         None, ge=0, description="get drops groups generated more than this many weight versions behind the trainer"
     )
+    max_running_requests: int | None = Field(
+        None,
+        gt=0,
+        description="requests an engine decodes at once; a finished one's slot goes to a waiting request at the next "
+        "step (continuous batching); unset: every request that has arrived",
+    )
+    pause_generation_mode: Literal["retract", "in_place"] = Field(
+        "retract",
+        description="how a weight push meets the generations in flight: retract (their KV cache is recomputed on the "
+        "new weights) or in_place (kept); either way they continue on the new weights",
+    )
+    max_rollouts_in_flight: int = Field(
+        2, gt=0, description="rl-fully-async: rollouts generated ahead of the one the trainer takes next"
+    )
     weight_transport: Literal["object_store", "disk", "distributed"] | None = Field(
         None,
         description="how pushed weights reach the engines: object_store (torch engines), disk (a model directory "

@@ -39,13 +39,26 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """`logprobs[i]` is the log-prob of `output_ids[i]` under the temperature-scaled distribution (before top-p).
-    `weight_version` is the version of the weights that generated it: the adapter's for an adapter request."""
+    """`logprobs[i]` is the log-prob of `output_ids[i]` under the temperature-scaled distribution (before top-p),
+    and `weight_versions[i]` the version of the weights that generated it (the adapter's for an adapter request):
+    a weight push in the middle of a generation changes the version from the next token on."""
 
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: int
+    weight_versions: list[int]
+
+    def __post_init__(self) -> None:
+        if not (len(self.output_ids) == len(self.logprobs) == len(self.weight_versions)):
+            raise ValueError(
+                f"a generate result needs one log-prob and one weight version per output token: "
+                f"{len(self.output_ids)} tokens, {len(self.logprobs)} log-probs, {len(self.weight_versions)} versions"
+            )
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest version any of its tokens came from (what bounds its staleness)."""
+        return min(self.weight_versions)
 
 
 def eos_token_ids(tokenizer) -> tuple[int, ...]:

@@ -61,8 +61,11 @@ class SGLangEngine:
         timeout_s: float = 600.0,
         lora_rank: int | None = None,
         lora_target_modules: list[str] | None = None,
+        max_running_requests: int | None = None,
+        pause_generation_mode: str = "retract",
     ):
         self.model_dir = Path(model_dir)
+        self.pause_generation_mode = pause_generation_mode
         self.config = config or SGLangConfig()
         self._weight_version = weight_version
         self._adapter_versions: dict[str, int] = {}
@@ -89,6 +92,8 @@ class SGLangEngine:
             "--weight-version",
             str(weight_version),
         ]
+        if max_running_requests is not None:
+            command += ["--max-running-requests", str(max_running_requests)]
         if config.mem_fraction_static is not None:
             command += ["--mem-fraction-static", str(config.mem_fraction_static)]
         if lora_rank is not None:
@@ -199,7 +204,7 @@ class SGLangEngine:
             for i, (request, output) in enumerate(zip(requests, outputs, strict=True))
         ]
         aborted = [i for i, r in enumerate(results) if r.finish_reason == "abort"]
-        if aborted:  # nothing here pauses a generation, so an abort is the server's failure; a retry regenerates
+        if aborted:  # a refit pauses without aborting, so an abort is the server's failure; a retry regenerates
             message = outputs[aborted[0]]["meta_info"]["finish_reason"].get("message", "")
             raise RuntimeError(
                 f"sglang server at {self.url} aborted {len(aborted)} of {len(requests)} requests: {message}"
@@ -214,12 +219,15 @@ class SGLangEngine:
                 f"sglang server at {self.url} gave null log-probs for request {index} of the batch (seed "
                 f"{request.seed}, {len(request.prompt_ids)} prompt tokens) at output positions {missing[:5]}"
             )
-        version = self._adapter_versions[request.adapter] if request.adapter else int(meta["weight_version"])
+        if request.adapter:
+            versions = [self._adapter_versions[request.adapter]] * len(pairs)
+        else:
+            versions = _token_versions(meta, len(pairs))
         return GenerateResult(
             output_ids=[int(p[1]) for p in pairs],
             logprobs=[float(p[0]) for p in pairs],
             finish_reason=meta["finish_reason"]["type"],
-            weight_version=version,
+            weight_versions=versions,
         )
 
     def update_weights_from_disk(self, directory: str, version: int) -> None:
@@ -288,10 +296,11 @@ class SGLangEngine:
         return self._read_back([name for specs in buckets for name, _, _ in specs])
 
     def _refit(self, version: int, load: Callable[[], list[dict]]) -> list[dict]:
-        """SGLang's refit order around `load`; generation resumes whatever happens, and a failed session is closed."""
-        self._post("/pause_generation", {"mode": "abort"})
+        """SGLang's refit order around `load`; generation resumes whatever happens, and a failed session is closed.
+        The requests in flight are paused, not aborted (rollout.pause_generation_mode), and go on with the new
+        weights. No cache flush: SGLang refuses one while requests wait."""
+        self._post("/pause_generation", {"mode": self.pause_generation_mode})
         try:
-            self._flush_cache()
             self._post("/begin_weight_update")
             try:
                 return load()
@@ -314,18 +323,6 @@ class SGLangEngine:
             except ValueError:  # 400: the server has no parameter of that name
                 rows[name] = None
         return rows
-
-    def _flush_cache(self) -> None:
-        """Requests aborted by the pause may still be leaving; the server answers 400 until they are gone."""
-        deadline = time.monotonic() + self.config.health_timeout_s
-        while True:
-            try:
-                self._post("/flush_cache")
-                return
-            except ValueError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(_POLL_S)
 
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
         """Load (or replace) LoRA adapter `name`: SGLang refuses a name loaded twice, so a new version unloads first."""
@@ -355,6 +352,20 @@ class SGLangEngine:
                 self._process.wait()
         self._http.close()
         shutil.rmtree(self._work_dir, ignore_errors=True)
+
+
+def _token_versions(meta: dict, count: int) -> list[int]:
+    """The weight version of each output token: SGLang's `weight_versions` spans (`start` to `end`, end exclusive,
+    over the output tokens) when a refit came in the middle of the request, else its `weight_version`."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [int(meta["weight_version"])] * count
+    versions = [None] * count
+    for span in spans:
+        versions[span["start"] : span["end"]] = [int(span["version"])] * (span["end"] - span["start"])
+    if None in versions or len(versions) != count:
+        raise EngineUnavailable(f"weight_versions spans {spans} do not cover the {count} output tokens")
+    return versions
 
 
 def _sampling_params(request: GenerateRequest) -> dict:

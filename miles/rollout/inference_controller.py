@@ -1,8 +1,10 @@
-"""InferenceController: owns the engine actors, batches concurrent callers together, pushes versioned weights.
+"""InferenceController: owns the engine actors, shards requests over them, pushes versioned weights.
 
-Several callers (the adapters of the multi-LoRA flow) may call `generate` at once: calls that arrive while a
-batch is on the engines are merged into the next batch, so requests of different adapters share one forward
-pass. Weight and adapter pushes wait for the batch on the engines; a generation never sees weights change.
+Any number of callers (the generations of the fully-async flow, an evaluation beside a generation, the adapters
+of the multi-LoRA flow) call `generate` at once: each engine batches whatever reaches it (continuous batching).
+A weight or adapter push does not wait for the generations in flight: the engines pause them between two decode
+steps, load, and continue them on the new weights (each token records its version). Flows that must not train
+off-policy order their pushes after their generations.
 
 An engine call that fails because an engine died (its actor, or its server: EngineUnavailable), or that
 outlasts `timeout_s`, health-checks every engine, restarts the dead or hung ones with the current weights and
@@ -16,11 +18,10 @@ import logging
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import ray
 
-from miles.cluster import HEALTH_TIMEOUT_S, actor_options, first_line
+from miles.cluster import ENGINE_CONCURRENCY, HEALTH_TIMEOUT_S, actor_options, first_line
 from miles.config import AdapterConfig, RolloutConfig
 from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult, RolloutEngine, check_adapters_loaded
 from miles.engines.sglang_engine import SGLangEngine
@@ -33,14 +34,6 @@ log = logging.getLogger(__name__)
 
 class EngineRestarted(RuntimeError):
     """Engines died or hung during a call; they were restarted with the current weights, so a retry can succeed."""
-
-
-@dataclass
-class _Call:
-    requests: list[GenerateRequest]
-    results: list[GenerateResult] | None = None
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class InferenceController:
@@ -56,13 +49,15 @@ class InferenceController:
                 device=rollout.device,
                 config=rollout.sglang,
                 timeout_s=rollout.engine_timeout_s,
+                max_running_requests=rollout.max_running_requests,
+                pause_generation_mode=rollout.pause_generation_mode,
             )
             if adapters:
                 self._engine_args.update(
                     lora_rank=max(a.rank for a in adapters),
                     lora_target_modules=sorted({m for a in adapters for m in a.target_modules}),
                 )
-            self._engine_options = actor_options(rollout.device, gpus=rollout.sglang.tp_size)
+            self._engine_options = actor_options(rollout.device, rollout.sglang.tp_size, ENGINE_CONCURRENCY)
             self.ranks_per_engine = rollout.sglang.tp_size
             # Broadcast weights arrive as SGLang recommends: one collective per bucket, not one per tensor.
             self.distributed_load_format = FLATTENED
@@ -73,51 +68,28 @@ class InferenceController:
                 weight_version=weight_version,
                 device=rollout.device,
                 num_threads=rollout.num_threads,
+                max_running_requests=rollout.max_running_requests,
+                pause_generation_mode=rollout.pause_generation_mode,
             )
-            self._engine_options = actor_options(rollout.device)
+            self._engine_options = actor_options(rollout.device, concurrency=ENGINE_CONCURRENCY)
             self.ranks_per_engine = 1
             self.distributed_load_format = None  # tensor by tensor, straight into the parameters
         self.timeout_s = rollout.engine_timeout_s
         self._weight_version = weight_version
         self._push: WeightPush | None = None  # the last full-weight push, for engines restarted after it
         self._adapters: dict[str, tuple[ray.ObjectRef, dict, int]] = {}  # name -> (tensors, PEFT config, version)
-        self._pending: list[_Call] = []
-        self._pending_lock = threading.Lock()
-        self._engines_busy = threading.Lock()  # held while a batch, a push or a restart is on the engines
+        # Held by a push or a restart: one at a time, so that a restarted engine is given the weights of the last
+        # push that landed. Reentrant: a push whose engine died restarts it.
+        self._engines_lock = threading.RLock()
         self.engines = [self._start_engine() for _ in range(rollout.num_engines)]
 
     def _start_engine(self) -> ray.actor.ActorHandle:
         return ray.remote(self._engine_class).options(**self._engine_options).remote(**self._engine_args)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        """Results in request order. The caller that gets the engines first generates every pending call."""
-        check_adapters_loaded(requests, self._adapters)  # before merging: a bad caller never fails its batch-mates
-        call = _Call(requests)
-        with self._pending_lock:
-            self._pending.append(call)
-        with self._engines_busy:
-            if not call.done.is_set():
-                with self._pending_lock:
-                    batch, self._pending = self._pending, []
-                self._run_batch(batch)
-        if call.error is not None:
-            raise call.error
-        return call.results
-
-    def _run_batch(self, batch: list[_Call]) -> None:
-        requests = [r for call in batch for r in call.requests]
-        try:
-            results = self._generate_on_engines(requests)
-        except BaseException as exc:
-            for call in batch:
-                call.error = exc
-                call.done.set()
-            return
-        start = 0
-        for call in batch:
-            call.results = results[start : start + len(call.requests)]
-            start += len(call.requests)
-            call.done.set()
+        """Results in request order."""
+        check_adapters_loaded(requests, self._adapters)
+        return self._generate_on_engines(requests)
 
     def _generate_on_engines(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Contiguous shards, one per engine; per-request seeds make the result independent of the split."""
@@ -138,7 +110,8 @@ class InferenceController:
         EngineRestarted is raised; any other error (a rejected request, a failed argument) is raised as it is.
         """
         what = method if isinstance(method, str) else method.__name__
-        refs = {i: getattr(self.engines[i], what).remote(*args) for i, args in args_by_engine.items()}
+        used = {i: self.engines[i] for i in args_by_engine}
+        refs = {i: getattr(used[i], what).remote(*args) for i, args in args_by_engine.items()}
         sender_error = None
         if alongside is not None:
             try:
@@ -164,7 +137,7 @@ class InferenceController:
                 if sender_error is not None:
                     raise sender_error
                 return results
-        restarted = self._restart_engines(hung)
+        restarted = self._restart_engines(hung, used)
         if not restarted:  # every engine passes its health check: the failure was not theirs (e.g. an argument's)
             raise cause
         raise EngineRestarted(
@@ -172,11 +145,17 @@ class InferenceController:
             f" and adapters {self.adapter_versions()}; a retry runs on the restarted engines"
         ) from cause
 
-    def _restart_engines(self, hung: set[int]) -> list[int]:
-        """Replace the engines in `hung` and those that fail a health check; returns the replaced indices."""
+    def _restart_engines(self, hung: set[int], used: dict[int, ray.actor.ActorHandle]) -> list[int]:
+        """Replace the engines in `hung` and those that fail a health check; returns the replaced indices, with those
+        another caller replaced since `used` (the engines the failed call went to) were taken."""
+        with self._engines_lock:
+            return self._replace_engines(hung, used)
+
+    def _replace_engines(self, hung: set[int], used: dict[int, ray.actor.ActorHandle]) -> list[int]:
+        replaced_before = [i for i, engine in used.items() if self.engines[i] is not engine]
         restarted = []
         for i, engine in enumerate(self.engines):
-            if i in hung or not _healthy(engine):
+            if i not in replaced_before and (i in hung or not _healthy(engine)):
                 log.warning("restarting engine %d", i)
                 if i not in hung:  # a live actor stops its server first, so the new one finds the GPU memory free
                     _try_shutdown(engine)
@@ -196,7 +175,7 @@ class InferenceController:
         for i in restarted:
             for name, (tensors_ref, config, version) in self._adapters.items():
                 ray.get(self.engines[i].load_adapter.remote(name, tensors_ref, config, version))
-        return restarted
+        return sorted([*replaced_before, *restarted])
 
     def adapter_versions(self) -> dict[str, int]:
         return {name: version for name, (_, _, version) in self._adapters.items()}
@@ -208,7 +187,7 @@ class InferenceController:
         """Push full weights to every engine as `push.version` (a push of the version they hold is skipped)."""
         if push.version == self._weight_version:
             return
-        with self._engines_busy:
+        with self._engines_lock:
             engines = range(len(self.engines))
             results = self._on_engines(push.method, {i: push.engine_args(i) for i in engines}, alongside=push.send)
             push.check(dict(zip(engines, results, strict=True)))
@@ -220,12 +199,12 @@ class InferenceController:
         and a push of the version the engines hold is skipped."""
         if name in self._adapters and self._adapters[name][2] == version:
             return
-        with self._engines_busy:
+        with self._engines_lock:
             self._on_every_engine(RolloutEngine.load_adapter, name, tensors_ref, config, version)
             self._adapters[name] = (tensors_ref, config, version)
 
     def unload_adapter(self, name: str) -> None:
-        with self._engines_busy:
+        with self._engines_lock:
             self._on_every_engine(RolloutEngine.unload_adapter, name)
             self._adapters.pop(name, None)
 

@@ -16,7 +16,10 @@ with SGLang's request fields, response JSON and status codes:
   rank has joined), `/update_weights_from_distributed` (refused outside a weight-update session) receives rank 0's
   broadcast, per tensor or as one flattened bucket, and loads it by name as a disk load does;
   `/destroy_weights_update_group`.
-- `/pause_generation` in mode `abort` (the default) ends the requests running then with finish reason `abort`.
+- `/pause_generation` in mode `abort` (the default) ends the requests in flight with finish reason `abort`; in
+  `retract` and `in_place` they wait, and continue on the weights loaded meanwhile: their `meta_info` then carries
+  `weight_versions`, spans `{version, start, end}` (end exclusive) over the output tokens.
+- `--max-running-requests`: the requests decoded at once (continuous batching, as the TorchEngine does it).
 - LoRA (with `--enable-lora`): `/load_lora_adapter` (a name loaded twice is refused), `/unload_lora_adapter`.
 - `/health`, `/health_generate` (a one-token generation; 503 while generation is paused or a weight update is
   open, as SGLang cannot run its probe then), `/model_info`.
@@ -29,6 +32,7 @@ disk or distributed load take the server down (`die_on_load`), or every batch ta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import threading
@@ -63,6 +67,22 @@ def _load_by_name(model, tensors: dict[str, torch.Tensor]) -> None:
             print(f"WARNING: Parameter {name} not found in params_dict; skipped", flush=True)
 
 
+def _version_number(weight_version: str) -> int:
+    """The engine counts versions; SGLang's are strings ("default" before any is named)."""
+    return int(weight_version) if str(weight_version).isdigit() else 0
+
+
+def _version_spans(versions: list[int]) -> list[dict]:
+    """Runs of equal versions over the output tokens, as SGLang's `weight_versions` (end exclusive)."""
+    spans: list[dict] = []
+    for position, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = position + 1
+        else:
+            spans.append({"version": str(version), "start": position, "end": position + 1})
+    return spans
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
@@ -81,7 +101,13 @@ def _lora_answer(success: bool, error_message: str, loaded: dict | None) -> JSON
 class StandInServer:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.engine = TorchEngine(args.model_path, device="cpu", num_threads=1)
+        self.engine = TorchEngine(
+            args.model_path,
+            weight_version=_version_number(args.weight_version),
+            device="cpu",
+            num_threads=1,
+            max_running_requests=args.max_running_requests,
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.eos_ids = eos_token_ids(self.tokenizer)
         self.weight_version = args.weight_version
@@ -91,28 +117,33 @@ class StandInServer:
         self.null_logprobs = False  # /test_fault: log-probs come back null, as SGLang may give them
         self.die_on_load = False  # /test_fault: the next weight load takes the server down, as a failed one can
         self.running = 0
-        self.abort_epoch = 0
+        self.abort_epoch = 0  # counts pauses in abort mode: a request that arrived before one ends aborted
         self.generate_delay_s = 0.0
         self.weight_groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._paused = False
-        self._state = threading.Condition()
-        self._engine_lock = threading.Lock()
+        self._state = threading.Lock()
 
-    def _run(self, requests: list[GenerateRequest]) -> tuple[list, bool]:
-        """The results, and whether a pause in `abort` mode came while they ran (SGLang then aborts them)."""
+    def _run(self, requests: list[GenerateRequest]) -> list:
+        """The results; requests join the engine's running batch, which a pause holds between decode steps. A pause
+        in abort mode while they were in flight ends them aborted."""
         with self._state:
-            while self._paused:
-                self._state.wait()
             self.running += 1
             epoch = self.abort_epoch
         try:
             time.sleep(self.generate_delay_s)  # /test_fault: a batch that takes a while, to act on while it runs
-            with self._engine_lock:
-                results = self.engine.generate(requests)
+            results = self.engine.generate(requests)
         finally:
             with self._state:
                 self.running -= 1
-        return results, epoch != self.abort_epoch
+        if epoch != self.abort_epoch:
+            return [dataclasses.replace(r, finish_reason="abort") for r in results]
+        return results
+
+    def loaded(self, weight_version) -> None:
+        """New weights are in the model (loaded while the engine was paused): name them, as the server reports."""
+        if weight_version is not None:
+            self.weight_version = weight_version
+            self.engine.update_weight_version(_version_number(weight_version))
 
     def generate(self, body: dict) -> JSONResponse:
         ids = body.get("input_ids")
@@ -162,9 +193,9 @@ class StandInServer:
                 )
             )
         started = time.perf_counter()
-        results, aborted = self._run(requests)
+        results = self._run(requests)
         outputs = [
-            self._output(r, q, p, body.get("return_logprob", False), started, aborted)
+            self._output(r, q, p, body.get("return_logprob", False), started)
             for r, q, p in zip(results, requests, params, strict=True)
         ]
         return JSONResponse(outputs[0] if single else outputs)
@@ -172,10 +203,8 @@ class StandInServer:
     def stops_on_eos(self, params: dict) -> tuple[int, ...]:
         return () if params.get("ignore_eos", False) else self.eos_ids
 
-    def _output(
-        self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float, aborted: bool
-    ) -> dict:
-        if aborted:
+    def _output(self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float) -> dict:
+        if result.finish_reason == "abort":
             finish = {"type": "abort", "message": "Abort in running batch.", "status_code": 503}
             output_ids = result.output_ids
         elif result.finish_reason == "stop":
@@ -193,6 +222,9 @@ class StandInServer:
             "cached_tokens": 0,
             "e2e_latency": time.perf_counter() - started,
         }
+        spans = _version_spans(result.weight_versions)
+        if len(spans) > 1:  # a refit came while the request ran
+            meta["weight_versions"] = spans
         if return_logprob:
             meta["output_token_logprobs"] = [
                 [None if self.null_logprobs else lp, token, None]
@@ -208,20 +240,27 @@ class StandInServer:
         if self.running:  # busy generating is alive
             return Response(status_code=200)
         probe = GenerateRequest(prompt_ids=[0], sampling=SamplingParams(max_new_tokens=1))
-        with self._engine_lock:
-            self.engine.generate([probe])
+        self.engine.generate([probe])
         return Response(status_code=200)
 
     def pause(self, mode: str) -> None:
+        """abort: the requests in flight end as aborted; retract and in_place: they wait (their KV cache dropped or
+        kept). Either way new ones wait for /continue_generation."""
         with self._state:
-            self._paused = True
-            if mode == "abort":  # in-flight requests end as aborted; new ones wait for /continue_generation
+            if mode == "abort":
                 self.abort_epoch += 1
+            if not self._paused:
+                self.engine.pause_generation(mode)
+                self._paused = True
+            elif mode == "abort":
+                self.engine.pause_generation(mode)
+                self.engine.continue_generation()
 
     def resume(self) -> None:
         with self._state:
-            self._paused = False
-            self._state.notify_all()
+            if self._paused:
+                self.engine.continue_generation()
+                self._paused = False
 
     def update_from_disk(self, body: dict) -> JSONResponse:
         files = sorted(Path(body["model_path"]).glob("*.safetensors"))
@@ -239,8 +278,9 @@ class StandInServer:
             os._exit(1)
         try:
             tensors = {name: t for f in files for name, t in load_file(f).items()}
-            with self._engine_lock:
+            with self.engine.paused("in_place"):
                 _load_by_name(self.engine.model, tensors)
+                self.loaded(body.get("weight_version"))
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed load, it does not crash
             return JSONResponse(
                 {
@@ -250,8 +290,6 @@ class StandInServer:
                 },
                 status_code=400,
             )
-        if body.get("weight_version") is not None:
-            self.weight_version = body["weight_version"]
         message = "Succeeded to update model weights."
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {self.weight_version}."
@@ -290,16 +328,15 @@ class StandInServer:
         try:
             group = self.weight_groups[group_name]
             tensors = receive_bucket(group, specs, torch.device("cpu"), body.get("load_format"))
-            with self._engine_lock:
+            with self.engine.paused("in_place"):
                 _load_by_name(self.engine.model, tensors)
+                self.loaded(body.get("weight_version"))
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed update
             message = (
                 f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are partially "
                 "updated. Please discard the whole weights."
             )
             return JSONResponse({"success": False, "message": message}, status_code=400)
-        if body.get("weight_version") is not None:
-            self.weight_version = body["weight_version"]
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
     def destroy_weights_group(self, body: dict) -> JSONResponse:
@@ -316,7 +353,7 @@ class StandInServer:
         if name not in parameters:
             print(f"ERROR: Error when getting parameter {name}: {name!r}", flush=True)
             return _error(400, "Get parameter by name failed")
-        with self._engine_lock:
+        with self.engine.paused("in_place"):
             rows = parameters[name].detach().to(torch.float32).tolist()
         return JSONResponse(rows[: body.get("truncate_size", 100)])
 
@@ -346,8 +383,7 @@ class StandInServer:
             )
         try:
             tensors = load_file(Path(path) / "adapter_model.safetensors")
-            with self._engine_lock:
-                self.engine.load_adapter(name, tensors, config, 0)
+            self.engine.load_adapter(name, tensors, config, 0)
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed load, it does not crash
             return _lora_answer(False, f"Failed to load LoRA adapter {name}: {exc}", self.lora_paths)
         self.lora_paths[name] = path
@@ -361,8 +397,7 @@ class StandInServer:
                 f"LoRA with name {name} does not exist. Loaded LoRAs: odict_keys({list(self.lora_paths)})",
                 self.lora_paths,
             )
-        with self._engine_lock:
-            self.engine.unload_adapter(name)
+        self.engine.unload_adapter(name)
         del self.lora_paths[name]
         return _lora_answer(True, "", self.lora_paths)
 
@@ -485,6 +520,7 @@ def main() -> None:
     parser.add_argument("--lora-target-modules", nargs="+")
     parser.add_argument("--max-loras-per-batch", type=int, default=8)
     parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--max-running-requests", type=int)
     args = parser.parse_args()
     torch.manual_seed(0)
     server = StandInServer(args)

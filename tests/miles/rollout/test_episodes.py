@@ -39,7 +39,7 @@ class ScriptedClient(GenerateClient):
             out = self.tokenizer(self.answer(str(int(a) + int(b))), add_special_tokens=False)["input_ids"] + [eos]
             cut = out[: request.sampling.max_new_tokens]
             logprobs = [-0.1 * (k + 1) for k in range(len(cut))]
-            results.append(GenerateResult(cut, logprobs, "stop" if cut == out else "length", weight_version=7))
+            results.append(GenerateResult(cut, logprobs, "stop" if cut == out else "length", [7] * len(cut)))
         return results
 
     def weight_version(self):

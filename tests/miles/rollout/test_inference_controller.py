@@ -36,82 +36,43 @@ def _assert_same_samples(got, expected):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
 
 
-def _concurrently(controller, monkeypatch, calls: dict[str, list]) -> tuple[dict[str, list], list[int]]:
-    """Run `controller.generate(calls[k])` in one thread per key. The first batch waits on the engines until every
-    other caller is queued, so those callers are all merged into the second batch. Returns results and batch sizes."""
-    original = controller._generate_on_engines
-    batches: list[int] = []
-    first_started = threading.Event()
-
-    def spy(requests):
-        batches.append(len(requests))
-        if len(batches) == 1:
-            first_started.set()
-            deadline = time.monotonic() + 30
-            while len(controller._pending) < len(calls) - 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return original(requests)
-
-    monkeypatch.setattr(controller, "_generate_on_engines", spy)
+def _concurrently(controller, calls: dict[str, list]) -> dict[str, list]:
+    """Run `controller.generate(calls[k])` in one thread per key, all started together: their requests meet in the
+    engines' running batches."""
     results: dict[str, list] = {}
     errors: list[BaseException] = []
+    barrier = threading.Barrier(len(calls))
 
     def call(key):
+        barrier.wait()
         try:
             results[key] = controller.generate(calls[key])
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    keys = list(calls)
-    threads = [threading.Thread(target=call, args=(k,)) for k in keys]
-    threads[0].start()
-    assert first_started.wait(30)
-    for t in threads[1:]:
+    threads = [threading.Thread(target=call, args=(k,)) for k in calls]
+    for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    monkeypatch.undo()
     assert not errors, errors
-    return results, batches
+    return results
 
 
-def test_concurrent_callers_get_their_own_results_in_order(controller, tokenizer, monkeypatch):
+def test_concurrent_callers_get_their_own_results_in_order(controller, tokenizer):
     calls = {
         "x": seeded(make_requests(tokenizer, ["1+2=", "45+67=", "12+"] * 2, max_new_tokens=6), 1),
         "y": seeded(make_requests(tokenizer, ["9+99=", "3+4="] * 3, max_new_tokens=6), 2),
         "z": seeded(make_requests(tokenizer, ["70+1=", "5+", "66+33="], max_new_tokens=6), 3),
     }
     alone = {k: controller.generate(v) for k, v in calls.items()}
-    together, batches = _concurrently(controller, monkeypatch, calls)
-    assert batches == [len(calls["x"]), len(calls["y"]) + len(calls["z"])]  # y and z shared one batch
+    together = _concurrently(controller, calls)
     for key in calls:
         _assert_same_samples(together[key], alone[key])
     assert {r.weight_version for rs in together.values() for r in rs} == {2}
 
 
-def test_two_threads_at_once_without_orchestration(controller, tokenizer):
-    calls = [
-        seeded(make_requests(tokenizer, ["1+2=", "45+67="] * 4, max_new_tokens=8), 5),
-        seeded(make_requests(tokenizer, ["9+99="] * 5, max_new_tokens=8), 6),
-    ]
-    alone = [controller.generate(c) for c in calls]
-    barrier = threading.Barrier(len(calls))
-    results: list = [None] * len(calls)
-
-    def call(i):
-        barrier.wait()
-        results[i] = controller.generate(calls[i])
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for got, expected in zip(results, alone, strict=True):
-        _assert_same_samples(got, expected)
-
-
-def test_concurrent_callers_of_two_adapters(controller, tokenizer, make_lora, monkeypatch):
+def test_concurrent_callers_of_two_adapters(controller, tokenizer, make_lora):
     (ta, ca), (tb, cb) = make_lora(1), make_lora(2)
     controller.load_adapter("a", ray.put(ta), ca, 7)
     controller.load_adapter("b", ray.put(tb), cb, 8)
@@ -129,8 +90,7 @@ def test_concurrent_callers_of_two_adapters(controller, tokenizer, make_lora, mo
     assert [r.logprobs for r in alone["a"]] != [r.logprobs for r in alone["b"]]
     assert [r.logprobs for r in alone["a"]] != [r.logprobs for r in alone["base"]]
 
-    together, batches = _concurrently(controller, monkeypatch, calls)
-    assert batches == [len(plain), 2 * len(plain)]  # the a and b callers shared one mixed-adapter batch
+    together = _concurrently(controller, calls)
     for key in calls:
         _assert_same_samples(together[key], alone[key])
 
@@ -155,7 +115,6 @@ def test_a_bad_caller_is_refused_without_failing_concurrent_callers(controller, 
     for t in threads:
         t.join(60)
     assert isinstance(outcome["bad"], ValueError) and "never-loaded" in str(outcome["bad"])
-    assert not controller._pending  # the refused call never joined a batch
     _assert_same_samples(outcome["good"], expected)
 
 

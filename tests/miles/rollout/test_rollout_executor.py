@@ -340,9 +340,9 @@ class _SeedEcho:
             self.fail_on = None
             raise RuntimeError("engine died")
         return [
-            GenerateResult([q.seed % 7 + 3], [-0.5], "length", 0)
+            GenerateResult([q.seed % 7 + 3], [-0.5], "length", [0])
             if q.prompt_ids == [1, 2]
-            else GenerateResult([q.seed % 7 + 3, 2], [-0.5, -0.1], "stop", 0)
+            else GenerateResult([q.seed % 7 + 3, 2], [-0.5, -0.1], "stop", [0, 0])
             for q in requests
         ]
 
