@@ -54,6 +54,7 @@ class _Episode:
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
     weight_version: int | None = None
@@ -64,6 +65,7 @@ class _Episode:
         self.response_ids += result.output_ids
         self.logprobs += result.logprobs
         self.mask += [1] * len(result.output_ids)
+        self.versions += result.weight_versions
         self.turns += 1
         version = result.weight_version
         self.weight_version = version if self.weight_version is None else min(self.weight_version, version)
@@ -72,6 +74,7 @@ class _Episode:
         self.response_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
+        self.versions += [self.versions[-1]] * len(ids)  # a reply follows a model turn: its version
 
     def fail(self, error: EnvFailed) -> None:
         self.end_reason, self.failure = error.reason, str(error)
@@ -89,6 +92,7 @@ class _Episode:
             weight_version=self.weight_version,
             num_turns=self.turns,
             end_reason=self.end_reason,
+            weight_versions=self.versions,
         )
 
 

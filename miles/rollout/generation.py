@@ -41,7 +41,9 @@ class SampleRecord:
     """What a generate function gives for one sample. `response_ids` is every token after the prompt; per token,
     `loss_mask` is 1 where the model generated it (trained on) and 0 where the environment did, and
     `rollout_logprobs` the engine's log-prob (0.0 where the mask is 0). `reward` is None when scoring failed
-    (`status` is then `failed`). `weight_version` is the oldest version any of its tokens came from."""
+    (`status` is then `failed`). `weight_versions` is each token's weight version (an environment's token takes
+    the version of the model turn before it), `weight_version` the oldest of them; without `weight_versions`, every
+    token is of `weight_version`."""
 
     prompt: str | None  # the text the model was given (None where unknown)
     prompt_ids: list[int]
@@ -53,13 +55,22 @@ class SampleRecord:
     weight_version: int
     num_turns: int = 1
     end_reason: str = "done"  # miles.envs.base.END_REASONS
+    weight_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
-        if len(self.rollout_logprobs) != n or len(self.loss_mask) != n:
+        if self.weight_versions is None:
+            self.weight_versions = [self.weight_version] * n
+        if len(self.rollout_logprobs) != n or len(self.loss_mask) != n or len(self.weight_versions) != n:
             raise ValueError(
-                f"a sample record needs one log-prob and one mask entry per response token: {n} tokens, "
-                f"{len(self.rollout_logprobs)} log-probs, {len(self.loss_mask)} mask entries"
+                f"a sample record needs one log-prob, one mask entry and one weight version per response token: {n} "
+                f"tokens, {len(self.rollout_logprobs)} log-probs, {len(self.loss_mask)} mask entries, "
+                f"{len(self.weight_versions)} weight versions"
+            )
+        if n and min(self.weight_versions) != self.weight_version:
+            raise ValueError(
+                f"a sample record's weight_version ({self.weight_version}) is the oldest of its weight_versions "
+                f"({min(self.weight_versions)})"
             )
 
 
@@ -150,6 +161,7 @@ def single_turn(client: GenerateClient, samples: list[RolloutSample]) -> list[Sa
             status="failed" if reward is None else "completed" if done else "truncated",
             weight_version=result.weight_version,
             end_reason="done" if done else "max_new_tokens",
+            weight_versions=result.weight_versions,
         )
         for text, ids, result, reward, done in zip(texts, prompt_ids, results, rewards, finished, strict=True)
     ]

@@ -142,12 +142,13 @@ class RolloutExecutor:
         groups = table.column("group_index").to_numpy()
         staleness = trainer_version - table.column("weight_version").to_numpy()
         bound = self.config.rollout.max_weight_staleness
-        dropped_groups = 0
-        if bound is not None:
+        dropped_groups = dropped_samples = 0
+        if bound is not None:  # a group goes when any token of it is staler than the bound
             stale_groups = np.unique(groups[staleness > bound])
             dropped_groups = len(stale_groups)
             if dropped_groups:
                 keep_rows = ~np.isin(groups, stale_groups)
+                dropped_samples = int((~keep_rows).sum())
                 table, staleness = table.filter(pa.array(keep_rows)), staleness[keep_rows]
         gbs = self.config.train.global_batch_size
         if table.num_rows < gbs:
@@ -182,15 +183,18 @@ class RolloutExecutor:
             pa.array(advantages.numpy().astype(np.float32)),
         )
         trained = table.num_rows - table.num_rows % gbs
+        table = table.slice(0, trained)
         stats = {
-            "staleness_mean": float(staleness.mean()),
+            "staleness_mean": float(staleness[:trained].mean()),
+            **_token_staleness(table, trainer_version),
             "dropped_groups": dropped_groups,
+            "dropped_samples": dropped_samples,
             "failed_samples": failed_samples,
             "filtered_groups": filtered_groups,
             # groups trained on whose scores are all equal: no signal under a group baseline
             "zero_advantage_groups": len(np.unique(groups[:trained][equal[:trained]])),
         }
-        return table.slice(0, trained), stats
+        return table, stats
 
     def _dynamic_sampling_groups(self, groups: np.ndarray, equal: np.ndarray) -> np.ndarray:
         """The groups dynamic sampling keeps: the first rollout_batch_size with differing scores, topped up with
@@ -215,6 +219,24 @@ def _check_records(records, expected: int, generate_fn: str | None) -> None:
     wrong = next((i for i, r in enumerate(records) if not isinstance(r, SampleRecord)), None)
     if wrong is not None:
         raise ValueError(f"{name}: record {wrong} is {clip(repr(records[wrong]))}, not a SampleRecord")
+
+
+def _token_staleness(table: pa.Table, trainer_version: int) -> dict[str, float]:
+    """Over the tokens trained on: how many versions each is behind the trainer, on average and at most; and the
+    samples whose tokens come from more than one version (a push came while they were generated)."""
+    versions = table.column("weight_versions").combine_chunks()
+    mask = table.column("loss_mask").combine_chunks().flatten().to_numpy().astype(bool)
+    token_versions = versions.flatten().to_numpy()
+    behind = trainer_version - token_versions[mask]
+    offsets = versions.offsets.to_numpy()
+    starts = offsets[:-1][offsets[1:] > offsets[:-1]]  # a sample without tokens (an episode failed at once) spans none
+    newest = np.maximum.reduceat(token_versions, starts) if len(starts) else np.array([], np.int32)
+    oldest = np.minimum.reduceat(token_versions, starts) if len(starts) else np.array([], np.int32)
+    return {
+        "token_staleness_mean": float(behind.mean()) if len(behind) else 0.0,
+        "token_staleness_max": int(behind.max()) if len(behind) else 0,
+        "mixed_version_samples": int((newest != oldest).sum()),
+    }
 
 
 def _without_failed(table: pa.Table) -> tuple[pa.Table, int]:

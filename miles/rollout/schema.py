@@ -5,9 +5,11 @@ A sample whose reward could not be computed has status "failed" and a null raw_r
 stored rollout and is never trained on. `response_ids` holds every token after the prompt: in an episode the
 model's turns (loss_mask 1, with their log-probs) and the environment's replies (loss_mask 0, log-prob 0).
 `num_turns` counts the model's turns, `end_reason` says why the sample ended (miles.envs.base.END_REASONS).
+`weight_versions` holds each response token's weight version: a weight push in the middle of a generation (the
+fully-async flow) changes it from the next token on; `weight_version` is the oldest of them.
 
-Versions: 2 had no prompt text, 3 no num_turns or end_reason; files of both are read, their missing columns
-filled (null prompt and end_reason, one turn).
+Versions: 2 had no prompt text, 3 no num_turns or end_reason, 4 no weight_versions; their files are read, the
+missing columns filled (null prompt and end_reason, one turn, every token of the sample's weight_version).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pyarrow as pa
 from miles.engines.base import GenerateRequest, GenerateResult
 from miles.rollout.generation import SampleRecord
 
-SCHEMA_VERSION = "4"
+SCHEMA_VERSION = "5"
 STATUSES = ("completed", "truncated", "aborted", "failed")
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -42,6 +44,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("prompt", pa.string()),  # the prompt text the model was given (after any chat template)
         pa.field("num_turns", pa.int32(), nullable=False),
         pa.field("end_reason", pa.dictionary(pa.int8(), pa.string())),  # null in files of schema versions 2 and 3
+        pa.field("weight_versions", pa.list_(pa.int32()), nullable=False),
     ],
     metadata={"schema_version": SCHEMA_VERSION},
 )
@@ -79,6 +82,7 @@ def records_table(
             "prompt": pa.array([r.prompt for r in records], pa.string()),
             "num_turns": pa.array([r.num_turns for r in records], pa.int32()),
             "end_reason": _dictionary([r.end_reason for r in records], "end_reason"),
+            "weight_versions": pa.array([r.weight_versions for r in records], pa.list_(pa.int32())),
         },
         schema=ROLLOUT_SCHEMA,
     )
@@ -108,6 +112,7 @@ def samples_table(
             status=status[i],
             weight_version=r.weight_version,
             end_reason="done" if r.finish_reason == "stop" else "max_new_tokens",
+            weight_versions=r.weight_versions,
         )
         for i, (q, r) in enumerate(zip(requests, results, strict=True))
     ]
@@ -130,9 +135,10 @@ def rollout_metadata(table: pa.Table) -> dict[str, str]:
 
 def upgraded(table: pa.Table) -> pa.Table:
     """A table of an earlier schema version in today's: version 2 had no prompt text (null), versions 2 and 3 no
-    num_turns (one turn) or end_reason (null)."""
+    num_turns (one turn) or end_reason (null), versions 2 to 4 no weight_versions (each token of its sample's
+    weight_version)."""
     version = rollout_metadata(table).get("schema_version")
-    if version not in ("2", "3"):
+    if version not in ("2", "3", "4"):
         return table
     rows = table.num_rows
     if "prompt" not in table.column_names:
@@ -143,6 +149,12 @@ def upgraded(table: pa.Table) -> pa.Table:
             ROLLOUT_SCHEMA.field("end_reason"),
             pa.nulls(rows, pa.string()).cast(ROLLOUT_SCHEMA.field("end_reason").type),
         )
+    if "weight_versions" not in table.column_names:
+        lengths = table.column("response_length").to_numpy()
+        versions = np.repeat(table.column("weight_version").to_numpy(), lengths)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(versions, pa.int32()))
+        table = table.append_column(ROLLOUT_SCHEMA.field("weight_versions"), column)
     meta = dict(table.schema.metadata or {})
     meta[b"schema_version"] = SCHEMA_VERSION.encode()
     return table.replace_schema_metadata(meta)

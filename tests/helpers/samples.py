@@ -54,6 +54,7 @@ def rollout_table(n: int = 3, rollout_id: int = 5) -> pa.Table:
         "prompt": [f"prompt {i}" for i in range(n)],
         "num_turns": [1] * n,
         "end_reason": [("done", "max_new_tokens")[i % 2] for i in range(n)],
+        "weight_versions": [[rollout_id] * (n - i + 1) for i in range(n)],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

@@ -55,11 +55,33 @@ def test_get_normalises_per_group_and_trims_to_whole_global_batches(tmp_path):
     np.testing.assert_allclose(handed.column("advantage").to_numpy(), expected, rtol=1e-6)
     assert stats == {
         "staleness_mean": 0.0,
+        "token_staleness_mean": 0.0,
+        "token_staleness_max": 0,
+        "mixed_version_samples": 0,
         "dropped_groups": 0,
+        "dropped_samples": 0,
         "failed_samples": 0,
         "filtered_groups": 0,
         "zero_advantage_groups": 0,
     }  # rollout_table stamps weight_version = rollout_id
+
+
+def test_get_bounds_the_staleness_of_every_token(tmp_path):
+    """A group goes when any token of it is more than rollout.max_weight_staleness versions behind the trainer; the
+    staleness of the tokens kept, and the samples a push split between versions, are counted."""
+    executor, store = _executor(tmp_path, 2, "rollout.max_weight_staleness=1")
+    versions = [5] * 10  # response lengths 11, 10, ..., 2
+    versions[0] = [3] + [5] * 10  # group 0: one token two versions behind trainer version 5
+    versions[3] = [4] * 3 + [5] * 5  # group 1: a push after its third token
+    table = _with_versions(rollout_table(n=10, rollout_id=5), versions)
+    store.write(3, table)
+
+    handed, stats = executor.get(3, trainer_version=5)
+
+    assert handed.column("sample_index").to_pylist() == list(range(2, 10))
+    assert stats["dropped_groups"] == 1 and stats["dropped_samples"] == 2
+    assert stats["mixed_version_samples"] == 1 and stats["token_staleness_max"] == 1
+    assert stats["token_staleness_mean"] == pytest.approx(3 / sum(range(2, 10)))  # 3 stale of 44 tokens
 
 
 def test_get_refuses_a_rollout_smaller_than_one_global_batch(tmp_path):
@@ -75,7 +97,11 @@ def _with_column(table, name, values):
 
 
 def _with_versions(table, versions):
-    return _with_column(table, "weight_version", versions)
+    """Each sample's tokens of one weight version, or of the per-token versions given for it (a list)."""
+    lengths = table.column("response_length").to_pylist()
+    per_token = [v if isinstance(v, list) else [v] * n for v, n in zip(versions, lengths, strict=True)]
+    table = _with_column(table, "weight_version", [min(v) for v in per_token])
+    return _with_column(table, "weight_versions", per_token)
 
 
 def test_groups_staler_than_the_bound_are_dropped_and_counted(tmp_path):
@@ -121,7 +147,11 @@ def test_failed_samples_are_left_out_before_staleness_and_advantages(tmp_path):
     assert set(handed.column("status").cast(pa.string()).to_pylist()) <= {"completed", "truncated"}
     assert stats == {
         "staleness_mean": 0.0,
+        "token_staleness_mean": 0.0,
+        "token_staleness_max": 0,
+        "mixed_version_samples": 0,
         "dropped_groups": 0,
+        "dropped_samples": 0,
         "failed_samples": 2,
         "filtered_groups": 0,
         "zero_advantage_groups": 1,  # group 2: rewards (0, 0)

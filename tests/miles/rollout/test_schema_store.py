@@ -46,11 +46,16 @@ def test_round_trip(tmp_path):
 
 @pytest.mark.parametrize(
     "version, dropped",
-    [("2", ["prompt", "num_turns", "end_reason"]), ("3", ["num_turns", "end_reason"])],
+    [
+        ("2", ["prompt", "num_turns", "end_reason", "weight_versions"]),
+        ("3", ["num_turns", "end_reason", "weight_versions"]),
+        ("4", ["weight_versions"]),
+    ],
 )
 def test_a_rollout_of_an_earlier_schema_reads_with_its_missing_columns_filled(tmp_path, version, dropped):
-    """Version 2 had no prompt text, 2 and 3 no turn count or end reason: a run directory from then resumes, each
-    sample one turn, its prompt text and end reason unknown (null)."""
+    """Version 2 had no prompt text, 2 and 3 no turn count or end reason, 2 to 4 no per-token weight versions: a run
+    directory from then resumes, each sample one turn, its prompt text and end reason unknown (null), each token of
+    its sample's weight version."""
     store = RolloutStore(RunDir(tmp_path).rollouts)
     table = with_rollout_metadata(rollout_table(), rollout_id=5)
     old = table.drop_columns(dropped).replace_schema_metadata(
@@ -59,9 +64,12 @@ def test_a_rollout_of_an_earlier_schema_reads_with_its_missing_columns_filled(tm
     with pa.OSFile(str(store.path(5)), "wb") as sink, pa.ipc.new_file(sink, old.schema) as writer:
         writer.write_table(old)
     read = store.read(5)
-    assert rollout_metadata(read)["schema_version"] == SCHEMA_VERSION == "4"
-    assert read.column("num_turns").to_pylist() == [1] * 3
-    assert read.column("end_reason").to_pylist() == [None] * 3
+    assert rollout_metadata(read)["schema_version"] == SCHEMA_VERSION == "5"
+    lengths = read.column("response_length").to_pylist()
+    assert read.column("weight_versions").to_pylist() == [[5] * n for n in lengths]
+    if "num_turns" in dropped:
+        assert read.column("num_turns").to_pylist() == [1] * 3
+        assert read.column("end_reason").to_pylist() == [None] * 3
     if "prompt" in dropped:
         assert read.column("prompt").to_pylist() == [None] * 3
     assert read.drop_columns(dropped).to_pylist() == old.to_pylist()

@@ -52,6 +52,7 @@ def rollout_table(samples) -> pa.Table:
         "prompt": ["p"] * n,
         "num_turns": [1] * n,
         "end_reason": ["done"] * n,
+        "weight_versions": [[0] * len(s["response"]) for s in samples],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

@@ -50,6 +50,7 @@ def _one_token_rollout(advantage: float) -> pa.Table:
         "prompt": ["p"],
         "num_turns": [1],
         "end_reason": ["done"],
+        "weight_versions": [[0]],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
@@ -143,6 +144,7 @@ def _episode_table(tokenizer, response: str, mask: list[int], env_logprob: float
         "prompt": ["1+2=", "1+2="],
         "num_turns": [2, 1],
         "end_reason": ["done", "done"],
+        "weight_versions": [[0] * len(ids), [0, 0]],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
