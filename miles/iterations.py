@@ -90,10 +90,12 @@ class Iterations:
         for rollout_id in self.plan.replay:
             table = self.store.read(rollout_id)
             self.data_source.position = int(rollout_metadata(table)["data_position_end"])
+            self.executor.prompt_order.ends_at(rollout_id, self.data_source.position)
             if rollout_id not in self._recorded_ids:
                 self._summaries[rollout_id] = summarize(table)
                 self._metrics[rollout_id] = trained[rollout_id]
                 self._append_metrics(self._iteration_record(rollout_id))
+        self.executor.prompt_order.ends_at(self.plan.first_rollout_id - 1, self.data_source.position)
 
     def restore(
         self, start: Callable[[Path | None], Trainer], train: Callable[[Trainer, int, pa.Table], Any]
@@ -154,6 +156,7 @@ class Iterations:
             metrics = train()
         self._metrics[rollout_id] = metrics
         self.trainer_version = rollout_id + 1
+        self.data_source.position = self.executor.prompt_order.end_of(rollout_id)  # what a checkpoint now saves
         return metrics
 
     def finish_iteration(self, rollout_id: int) -> dict[str, Any]:

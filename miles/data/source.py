@@ -12,7 +12,7 @@ class DataSource:
         self.rows = rows
         self.seed = seed
         self.shuffle = shuffle
-        self.position = 0  # prompts consumed since the start of the run, across epochs
+        self.position = 0  # prompts of the rollouts trained since the start of the run, across epochs
         self._orders: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -23,11 +23,11 @@ class DataSource:
             }
         return self._orders[epoch]
 
-    def peek(self, count: int, skip: int = 0) -> list[dict[str, str]]:
-        """`count` rows after the next `skip`, without moving the cursor (it moves once the rollout is stored)."""
+    def rows_at(self, position: int, count: int) -> list[dict[str, str]]:
+        """The `count` rows of the walk from `position` on (the cursor does not move)."""
         n = len(self.rows)
         out = []
-        for pos in range(self.position + skip, self.position + skip + count):
+        for pos in range(position, position + count):
             epoch, offset = divmod(pos, n)
             out.append(self.rows[int(self._order(epoch)[offset])])
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -50,20 +51,23 @@ class RolloutExecutor:
             stop_token_ids=self.client.stop_token_ids,
         )
         self.advantage_estimator = resolve_algorithm("advantage_estimator", config.algo.advantage_estimator)
+        self.prompt_order = PromptOrder(config.rollout.rollout_batch_size, data_source.position)
 
     def generate(self, rollout_id: int) -> dict[str, float]:
         """Produce rollout `rollout_id` unless its file exists (a retry or a resumed run reuses it).
 
-        With algo.dynamic_sampling, further rounds of rollout_batch_size prompts are drawn (up to
+        Its prompts follow those of rollout_id - 1 (PromptOrder), whose generation may still run. With
+        algo.dynamic_sampling, further rounds of rollout_batch_size prompts are drawn (up to
         rollout.max_generate_rounds in all) until rollout_batch_size groups have differing scores. All rounds go
         into the one rollout file, written once: a retry draws the same prompts and seeds again."""
         if self.store.exists(rollout_id):
             table = self.store.read(rollout_id)
-            self.data_source.position = int(rollout_metadata(table)["data_position_end"])
+            self.prompt_order.ends_at(rollout_id, int(rollout_metadata(table)["data_position_end"]))
             return summarize(table)
         cfg = self.config.rollout
+        start = self.prompt_order.start_of(rollout_id)
         rounds = cfg.max_generate_rounds if self.config.algo.dynamic_sampling else 1
-        tables = [self._generate_round(rollout_id, 0)]
+        tables = [self._generate_round(rollout_id, start, 0)]
         while len(tables) < rounds:
             differing = self._differing_groups(pa.concat_tables(tables))
             if differing >= cfg.rollout_batch_size:
@@ -76,8 +80,8 @@ class RolloutExecutor:
                 len(tables) + 1,
                 rounds,
             )
-            tables.append(self._generate_round(rollout_id, len(tables)))
-        end = self.data_source.position + len(tables) * cfg.rollout_batch_size
+            tables.append(self._generate_round(rollout_id, start, len(tables)))
+        end = start + len(tables) * cfg.rollout_batch_size
         table = with_rollout_metadata(
             # One dictionary per column across rounds: an Arrow IPC file holds one per field.
             pa.concat_tables(tables).unify_dictionaries().combine_chunks(),
@@ -87,15 +91,15 @@ class RolloutExecutor:
             generate_rounds=len(tables),
         )
         self.store.write(rollout_id, table)
-        self.data_source.position = end
+        self.prompt_order.ends_at(rollout_id, end)
         return summarize(table)
 
-    def _generate_round(self, rollout_id: int, round_: int) -> pa.Table:
+    def _generate_round(self, rollout_id: int, start: int, round_: int) -> pa.Table:
         """One round's rollout_batch_size prompts x n_samples_per_prompt samples, produced by the generate function
-        (scored). Round r of rollout i takes the prompts after those of rounds 0..r-1, and sample and group numbers
-        of slot i * max_rounds + r, so they stay unique within the run."""
+        (scored). Round r of rollout i takes the prompts after those of rounds 0..r-1 (from `start`), and sample and
+        group numbers of slot i * max_rounds + r, so they stay unique within the run."""
         cfg = self.config.rollout
-        rows = self.data_source.peek(cfg.rollout_batch_size, skip=round_ * cfg.rollout_batch_size)
+        rows = self.data_source.rows_at(start + round_ * cfg.rollout_batch_size, cfg.rollout_batch_size)
         n = cfg.n_samples_per_prompt
         slot = rollout_id * cfg.max_generate_rounds + round_
         seed = rollout_seed(self.config.seed, rollout_id) + round_ * self.config.samples_per_rollout
@@ -208,6 +212,29 @@ class RolloutExecutor:
             needed = int(np.searchsorted(np.cumsum(filler_sizes), missing)) + 1
             kept = np.concatenate([kept, ids[~differing][:needed]])
         return kept
+
+
+class PromptOrder:
+    """Where each rollout's prompts end in the data walk; a rollout starts where the one before it ends. When that
+    end is not known yet (its generation runs beside this one, in the fully-async flow, where every rollout draws
+    one round), the start is counted on from the last end known, `batch_size` prompts per rollout."""
+
+    def __init__(self, batch_size: int, position: int):
+        self.batch_size = batch_size
+        self._ends = {-1: position}
+        self._lock = threading.Lock()
+
+    def ends_at(self, rollout_id: int, position: int) -> None:
+        with self._lock:
+            self._ends[rollout_id] = position
+
+    def end_of(self, rollout_id: int) -> int:
+        return self._ends[rollout_id]
+
+    def start_of(self, rollout_id: int) -> int:
+        with self._lock:
+            known = max(k for k in self._ends if k < rollout_id)
+            return self._ends[known] + (rollout_id - 1 - known) * self.batch_size
 
 
 def _check_records(records, expected: int, generate_fn: str | None) -> None:

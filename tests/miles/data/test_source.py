@@ -22,26 +22,26 @@ def test_empty_rows_rejected():
         DataSource([], seed=0)
 
 
-def test_peek_does_not_move_cursor():
+def test_reading_rows_does_not_move_the_cursor():
     source = DataSource(_rows(), seed=1)
-    first = source.peek(3)
+    first = source.rows_at(source.position, 3)
     assert source.position == 0
-    assert source.peek(3) == first
-    assert source.peek(5)[:3] == first
+    assert source.rows_at(source.position, 3) == first
+    assert source.rows_at(source.position, 5)[:3] == first
     assert source.position == 0
 
 
 def test_position_moves_the_window():
     source = DataSource(_rows(), seed=1)
-    window = source.peek(5)
+    window = source.rows_at(source.position, 5)
     source.position = 2
-    assert source.peek(3) == window[2:5]
+    assert source.rows_at(source.position, 3) == window[2:5]
 
 
 def test_each_epoch_is_a_permutation():
     source = DataSource(_rows(), seed=5)
     epochs = 4
-    walk = _ids(source.peek(N * epochs))
+    walk = _ids(source.rows_at(source.position, N * epochs))
     orders = [walk[e * N : (e + 1) * N] for e in range(epochs)]
     for order in orders:
         assert sorted(order) == list(range(N))
@@ -51,21 +51,21 @@ def test_each_epoch_is_a_permutation():
 
 def test_epoch_rollover_from_a_set_position():
     source = DataSource(_rows(), seed=5)
-    walk = _ids(source.peek(3 * N))
+    walk = _ids(source.rows_at(source.position, 3 * N))
     source.position = N - 2  # straddles the end of epoch 0 and the start of epoch 1
-    assert _ids(source.peek(4)) == walk[N - 2 : N + 2]
+    assert _ids(source.rows_at(source.position, 4)) == walk[N - 2 : N + 2]
     source.position = 2 * N + 3
-    assert _ids(source.peek(2)) == walk[2 * N + 3 : 2 * N + 5]
+    assert _ids(source.rows_at(source.position, 2)) == walk[2 * N + 3 : 2 * N + 5]
     # Going back to an earlier epoch gives the same order again.
     source.position = 0
-    assert _ids(source.peek(N)) == walk[:N]
+    assert _ids(source.rows_at(source.position, N)) == walk[:N]
 
 
 def test_batches_cover_each_row_once_per_epoch():
     source = DataSource(_rows(), seed=2)
     seen = []
     for _ in range(7):  # 7 batches of 3 = 21 = 3 epochs
-        seen += _ids(source.peek(3))
+        seen += _ids(source.rows_at(source.position, 3))
         source.position += 3
     for e in range(3):
         assert sorted(seen[e * N : (e + 1) * N]) == list(range(N))
@@ -73,9 +73,9 @@ def test_batches_cover_each_row_once_per_epoch():
 
 def test_same_seed_same_order_different_seed_different_order():
     rows = _rows(50)
-    a = _ids(DataSource(rows, seed=11).peek(100))
-    b = _ids(DataSource(rows, seed=11).peek(100))
-    c = _ids(DataSource(rows, seed=12).peek(100))
+    a = _ids(DataSource(rows, seed=11).rows_at(0, 100))
+    b = _ids(DataSource(rows, seed=11).rows_at(0, 100))
+    c = _ids(DataSource(rows, seed=12).rows_at(0, 100))
     assert a == b
     assert a != c
     assert sorted(c[:50]) == list(range(50))
@@ -83,12 +83,12 @@ def test_same_seed_same_order_different_seed_different_order():
 
 def test_shuffle_actually_shuffles():
     rows = _rows(50)
-    assert _ids(DataSource(rows, seed=0).peek(50)) != list(range(50))
+    assert _ids(DataSource(rows, seed=0).rows_at(0, 50)) != list(range(50))
 
 
 def test_no_shuffle_keeps_order():
     source = DataSource(_rows(), seed=3, shuffle=False)
-    assert _ids(source.peek(2 * N + 2)) == list(range(N)) * 2 + [0, 1]
+    assert _ids(source.rows_at(source.position, 2 * N + 2)) == list(range(N)) * 2 + [0, 1]
 
 
 def test_state_dict():
@@ -100,11 +100,11 @@ def test_state_dict():
 def test_state_dict_round_trip():
     source = DataSource(_rows(), seed=4)
     source.position = N + 3
-    expected = source.peek(6)
+    expected = source.rows_at(source.position, 6)
     restored = DataSource(_rows(), seed=4)
     restored.load_state_dict(source.state_dict())
     assert restored.position == N + 3
-    assert restored.peek(6) == expected
+    assert restored.rows_at(restored.position, 6) == expected
     assert restored.state_dict() == source.state_dict()
 
 

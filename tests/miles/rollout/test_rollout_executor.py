@@ -11,7 +11,7 @@ from miles.config import RolloutConfig, load_config
 from miles.data import DataSource
 from miles.rewards import resolve_reward
 from miles.rollout.inference_controller import InferenceController
-from miles.rollout.rollout_executor import RolloutExecutor
+from miles.rollout.rollout_executor import PromptOrder, RolloutExecutor
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
@@ -224,7 +224,7 @@ def test_samples_whose_reward_fails_are_stored_as_failed(tmp_path, controller, t
     assert all(statuses[i] in ("completed", "truncated") and math.isfinite(rewards[i]) for i in scored)
     assert summary["failed_samples"] == 10 and summary["samples"] == 14
     assert summary["reward_mean"] == pytest.approx(np.mean([rewards[i] for i in scored]))
-    assert executor.data_source.position == len(LABELS)
+    assert executor.prompt_order.end_of(0) == len(LABELS)
 
     warnings = [r for r in caplog.records if r.name == "miles.rollout.generation"]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
@@ -415,6 +415,7 @@ def _dynamic_executor(tmp_path, controller):
 
 def test_dynamic_sampling_draws_rounds_until_enough_groups_differ(tmp_path):
     executor, store = _dynamic_executor(tmp_path, _SeedEcho())
+    executor.prompt_order.ends_at(0, 0)  # rollout 1 draws from the first prompts
     summary = executor.generate(1)
     # Round 0 (prompts 0, 1) has no group with spread, round 1 (2, 3) one, round 2 (4, 5) two more: it stops there.
     table = store.read(1)
@@ -423,7 +424,7 @@ def test_dynamic_sampling_draws_rounds_until_enough_groups_differ(tmp_path):
     # Sample and group numbers of slots 3..5 (rollout 1 x 3 rounds + round): unique within the run.
     assert table.column("sample_index").to_pylist() == list(range(12, 24))
     assert table.column("group_index").to_pylist() == [g for g in range(6, 12) for _ in range(2)]
-    assert executor.data_source.position == 6
+    assert executor.prompt_order.end_of(1) == 6
 
     handed, stats = executor.get(1, trainer_version=1)
     assert handed.column("label").to_pylist() == ["differ"] * 4  # two groups with spread (rollout_batch_size)
@@ -436,10 +437,10 @@ def test_an_interrupted_round_is_drawn_again_on_retry(tmp_path):
     retried, retried_store = _dynamic_executor(tmp_path / "retried", _SeedEcho(fail_on=2))
     with pytest.raises(RuntimeError, match="engine died"):
         retried.generate(0)
-    assert not retried_store.exists(0) and retried.data_source.position == 0  # nothing half-written
+    assert not retried_store.exists(0) and retried.prompt_order.start_of(1) == 2  # nothing half-written: one round on
     retried.generate(0)
     assert retried_store.read(0).equals(whole_store.read(0))
-    assert retried.data_source.position == whole.data_source.position == 6
+    assert retried.prompt_order.end_of(0) == whole.prompt_order.end_of(0) == 6
     assert retried.generate(0)["generate_rounds"] == 3  # a further retry reads the stored rollout
 
 
@@ -456,3 +457,12 @@ def test_a_generate_function_by_import_path_produces_the_rollout(tmp_path):
     bad, _ = _executor(tmp_path / "bad", 5, "rollout.generate_fn=tests.miles.rollout.rewards_for_tests:too_few_records")
     with pytest.raises(ValueError, match=r"rollout.generate_fn '.*too_few_records' returned 19 records for 20"):
         bad.generate(0)
+
+
+def test_rollouts_generated_ahead_take_consecutive_prompts_in_any_order():
+    """The fully-async flow generates rollouts 5, 6, 7 at once: each starts where the one before ends, counted on
+    from the last end known when that one is still generating."""
+    order = PromptOrder(batch_size=4, position=40)  # the run resumes at rollout 0, prompt 40
+    assert [order.start_of(k) for k in (2, 0, 1)] == [48, 40, 44]
+    order.ends_at(3, 70)  # stored by an earlier start: its file says where it ended
+    assert order.start_of(4) == 70 and order.start_of(5) == 74
