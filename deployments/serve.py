@@ -2,10 +2,11 @@
 
     python -m deployments.serve [--config FILE] [--set a.b=value ...]
                                 [--sync-interval SECONDS | --sync-cron EXPR] [--async-interval SECONDS | --async-cron EXPR]
+                                [--fully-async-interval SECONDS | --fully-async-cron EXPR]
                                 [--multi-lora-interval SECONDS | --multi-lora-cron EXPR]
 
-Deployments `rl-sync/tiny`, `rl-async/tiny` and `rl-multi-lora/tiny` run the config (default: configs/tiny.yaml
-beside this file), each in its own run directory (`<run_dir>-sync`, `<run_dir>-async`, `<run_dir>-multi-lora`),
+Deployments `rl-sync/tiny`, `rl-async/tiny`, `rl-fully-async/tiny` and `rl-multi-lora/tiny` run the config (default:
+configs/tiny.yaml beside this file), each in its own run directory (`<run_dir>-<name>`),
 at most one flow run at a time. With `iterations_per_run` set, each scheduled run trains that many rollouts (per
 adapter, for multi-LoRA) and exits; the next resumes.
 """

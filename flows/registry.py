@@ -34,6 +34,11 @@ FLOWS = {
     for flow in (
         RLFlow("sync", "flows.sync_rl:sync_rl", ("miles.run:check_inputs",)),
         RLFlow("async", "flows.async_rl:async_rl", ("miles.run:check_inputs", "miles.run:check_off_policy_correction")),
+        RLFlow(
+            "fully-async",
+            "flows.fully_async_rl:fully_async_rl",
+            ("miles.run:check_inputs", "miles.run:check_fully_async"),
+        ),
         RLFlow("multi-lora", "flows.multi_lora:multi_lora", ("miles.multi_lora:check_adapter_inputs",)),
     )
 }

@@ -82,9 +82,19 @@ def initial_model(run_dir: RunDir, config: RunConfig, tasks: list[str]) -> Path:
 
 
 def check_off_policy_correction(config: RunConfig) -> None:
-    """Training one step off-policy (the async flow) needs a correction for the stale rollout log-probs."""
+    """Training off-policy (the async flows) needs a correction for the stale rollout log-probs."""
     if not (config.algo.use_tis or config.algo.use_rollout_logprobs):
-        raise ConfigError("the async flow trains off-policy: set algo.use_tis=true or algo.use_rollout_logprobs=true")
+        raise ConfigError("the async flows train off-policy: set algo.use_tis=true or algo.use_rollout_logprobs=true")
+
+
+def check_fully_async(config: RunConfig) -> None:
+    """The fully-async flow trains off-policy, and generates rollouts ahead of the ones it trains, one round each."""
+    check_off_policy_correction(config)
+    if config.algo.dynamic_sampling:
+        raise ConfigError(
+            "algo.dynamic_sampling: the fully-async flow generates rollouts ahead, one round of prompts each, and "
+            "cannot wait for a rollout's extra rounds; use rl-async or rl-sync with dynamic sampling"
+        )
 
 
 class RLRun:

@@ -7,7 +7,7 @@ from miles.config import ConfigError, load_config
 
 
 def test_each_name_loads_its_prefect_flow():
-    assert list(FLOWS) == ["sync", "async", "multi-lora"]
+    assert list(FLOWS) == ["sync", "async", "fully-async", "multi-lora"]
     for name, rl_flow in FLOWS.items():
         assert rl_flow.load().name == f"rl-{name}"
 
@@ -15,7 +15,9 @@ def test_each_name_loads_its_prefect_flow():
 @pytest.mark.parametrize(
     "name, overrides, message",
     [
-        ("async", ["algo.use_tis=false"], "the async flow trains off-policy"),
+        ("async", ["algo.use_tis=false"], "the async flows train off-policy"),
+        ("fully-async", ["algo.use_tis=false"], "the async flows train off-policy"),
+        ("fully-async", ["algo.dynamic_sampling=true"], "algo.dynamic_sampling: the fully-async flow"),
         ("multi-lora", ["model.path=/models/base"], "the multi-LoRA flow needs at least one adapter"),
         ("sync", ["model.path=/m", "data.task=null", "data.path=/no/such/prompts.jsonl"], "/no/such/prompts.jsonl"),
     ],

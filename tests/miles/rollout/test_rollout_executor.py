@@ -460,7 +460,7 @@ def test_a_generate_function_by_import_path_produces_the_rollout(tmp_path):
 
 
 def test_rollouts_generated_ahead_take_consecutive_prompts_in_any_order():
-    """The fully-async flow generates rollouts 5, 6, 7 at once: each starts where the one before ends, counted on
+    """The fully-async flow generates rollouts 0, 1, 2 at once: each starts where the one before ends, counted on
     from the last end known when that one is still generating."""
     order = PromptOrder(batch_size=4, position=40)  # the run resumes at rollout 0, prompt 40
     assert [order.start_of(k) for k in (2, 0, 1)] == [48, 40, 44]
