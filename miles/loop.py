@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from miles.config import RunConfig
 from miles.multi_lora import AdapterRun, MultiLoRARun
-from miles.run import RLRun
+from miles.run import RLRun, check_fully_async
 
 
 def sync_iteration(run: RLRun, rollout_id: int) -> None:
@@ -30,6 +32,39 @@ def run_sync(config: RunConfig) -> list[dict[str, Any]]:
         if run.should_evaluate(run.rollout_ids().stop):
             run.evaluate(run.rollout_ids().stop)
         return records
+
+
+def run_fully_async(config: RunConfig) -> list[dict[str, Any]]:
+    check_fully_async(config)
+    with RLRun(config) as run:
+        return list(fully_async_iterations(run))
+
+
+def fully_async_iterations(run: RLRun) -> Iterator[dict[str, Any]]:
+    """flows.fully_async_rl without Prefect: up to rollout.max_rollouts_in_flight generations run ahead (threads),
+    pushes land while they run. Yields each iteration's record."""
+    window = run.config.rollout.max_rollouts_in_flight
+    rollout_ids = run.rollout_ids()
+    with ThreadPoolExecutor(window + 1, thread_name_prefix="rollout") as threads:
+        evaluation = threads.submit(run.evaluate, rollout_ids.start) if run.should_evaluate(rollout_ids.start) else None
+        in_flight = {i: threads.submit(run.generate, i) for i in rollout_ids[:window]}
+        for rollout_id in rollout_ids:
+            in_flight.pop(rollout_id).result()
+            table = run.get(rollout_id)
+            if rollout_id + window in rollout_ids:
+                in_flight[rollout_id + window] = threads.submit(run.generate, rollout_id + window)
+            run.train(rollout_id, table)
+            if run.should_sync(rollout_id):
+                if evaluation is not None:
+                    evaluation.result()  # an evaluation sees one version of the weights
+                run.sync_weights(rollout_id)
+            if run.should_evaluate(rollout_id + 1):
+                evaluation = threads.submit(run.evaluate, rollout_id + 1)
+            if run.should_save(rollout_id):
+                run.save_checkpoint(rollout_id)
+            yield run.finish_iteration(rollout_id)
+        if evaluation is not None:
+            evaluation.result()
 
 
 def adapter_iteration(adapter: AdapterRun, rollout_id: int) -> None:

@@ -22,13 +22,38 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def rows(self, index: slice) -> TrainBatch:
+    def rows(self, index: slice | torch.Tensor) -> TrainBatch:
         return TrainBatch(
             *(
                 t[index]
                 for t in (self.tokens, self.attention_mask, self.response_mask, self.rollout_logprobs, self.advantages)
             )
         )
+
+    def trimmed(self) -> TrainBatch:
+        """Without the trailing columns no row reaches (right padding): a micro-batch of short samples costs what
+        its own longest sample does, not what the rollout's does. Causal attention leaves every real token's
+        logits as they were."""
+        width = int(self.attention_mask.any(dim=0).nonzero().max()) + 1 if self.attention_mask.any() else 1
+        return TrainBatch(
+            self.tokens[:, :width],
+            self.attention_mask[:, :width],
+            self.response_mask[:, :width],
+            self.rollout_logprobs[:, :width],
+            self.advantages,
+        )
+
+    def by_length(self, global_batch_size: int) -> TrainBatch:
+        """The rows of each global batch longest first, so that micro-batches group samples of like lengths (the
+        step's gradient is a sum over its rows: their order changes nothing but the padding)."""
+        lengths = self.attention_mask.sum(dim=1)
+        order = torch.cat(
+            [
+                start + torch.argsort(lengths[start : start + global_batch_size], descending=True, stable=True)
+                for start in range(0, len(self), global_batch_size)
+            ]
+        )
+        return self.rows(order)
 
 
 def _list_view(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:

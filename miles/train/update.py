@@ -24,11 +24,13 @@ ReferenceLogprobs = Callable[[TrainBatch], torch.Tensor]
 def batch_logprobs(model, batch: TrainBatch, config: RunConfig, device: torch.device) -> torch.Tensor:
     """Per-token log-probs of the batch's tokens under `model`, micro-batch by micro-batch."""
     step = config.train.micro_batch_size
+    width = batch.tokens.shape[1]
     parts = []
     for start in range(0, len(batch), step):
-        mb = batch.rows(slice(start, start + step))
+        mb = batch.rows(slice(start, start + step)).trimmed()
         logits = model(input_ids=mb.tokens.to(device), attention_mask=mb.attention_mask.to(device)).logits
-        parts.append(token_logprobs(logits, mb.tokens.to(device), config.rollout.temperature))
+        logprobs = token_logprobs(logits, mb.tokens.to(device), config.rollout.temperature)
+        parts.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
     return torch.cat(parts)
 
 
@@ -105,6 +107,7 @@ def train_on_rollout(
             )
         )
     local_gbs = gbs // world
+    batch = batch.by_length(local_gbs)
     mbs = min(config.train.micro_batch_size, local_gbs)
     mask_all = batch.response_mask.to(device)
     rollout_lp = batch.rollout_logprobs.to(device)
@@ -128,8 +131,8 @@ def train_on_rollout(
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             for m in range(start, start + local_gbs, mbs):
-                rows = slice(m, m + mbs)
-                mb = batch.rows(rows)
+                mb = batch.rows(slice(m, m + mbs)).trimmed()
+                rows = (slice(m, m + mbs), slice(0, mb.tokens.shape[1]))  # the micro-batch's rows and columns
                 tokens = mb.tokens.to(device)
                 mask = mask_all[rows].float()
                 logits = model(input_ids=tokens, attention_mask=mb.attention_mask.to(device)).logits

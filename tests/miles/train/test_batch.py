@@ -147,3 +147,18 @@ def test_rows_slices_every_field():
     batch = batch_from_table(rollout_table(SAMPLES), pad_token_id=PAD)
     part = batch.rows(slice(1, 3))
     check(part, TOKENS[1:], ATTENTION[1:], RESPONSE_MASK[1:], LOGPROBS[1:], ADVANTAGES[1:])
+
+
+def test_micro_batches_cost_their_own_longest_sample():
+    """Right padding: a micro-batch is trimmed to its own longest sample, and each global batch is ordered longest
+    first, so that like lengths share micro-batches."""
+    samples = [
+        {"prompt": [1, 5], "response": [4] * n, "logprobs": [-0.5] * n, "loss_mask": [1] * n, "advantage": float(n)}
+        for n in (1, 9, 2, 7)
+    ]
+    batch = batch_from_table(rollout_table(samples), pad_token_id=0)
+    ordered = batch.by_length(global_batch_size=2)
+    assert ordered.advantages.tolist() == [9.0, 1.0, 7.0, 2.0]  # within each global batch of two
+    short = ordered.rows(slice(2, 4)).trimmed()
+    assert short.tokens.shape == (2, 9) and batch.tokens.shape == (4, 11)
+    assert torch.equal(short.tokens, ordered.tokens[2:4, :9]) and not ordered.attention_mask[2:4, 9:].any()
