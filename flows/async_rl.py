@@ -14,7 +14,7 @@
 Rollout i+1 comes from weights one version behind the trainer; the loss corrects with truncated importance
 sampling (algo.use_tis) or the engine's log-probs as the old policy (algo.use_rollout_logprobs), and
 rollout.max_weight_staleness bounds how stale a group may be. The last rollout has no next one to generate.
-An evaluation shares the engines with the generation running beside it; the controller batches them together.
+An evaluation shares the engines with the generation running beside it; the engines batch them together.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ class SGLangEngine:
         if request.adapter:
             versions = [self._adapter_versions[request.adapter]] * len(pairs)
         else:
-            versions = _token_versions(meta, len(pairs))
+            versions = token_versions(meta, len(pairs))
         return GenerateResult(
             output_ids=[int(p[1]) for p in pairs],
             logprobs=[float(p[0]) for p in pairs],
@@ -354,7 +354,7 @@ class SGLangEngine:
         shutil.rmtree(self._work_dir, ignore_errors=True)
 
 
-def _token_versions(meta: dict, count: int) -> list[int]:
+def token_versions(meta: dict, count: int) -> list[int]:
     """The weight version of each output token: SGLang's `weight_versions` spans (`start` to `end`, end exclusive,
     over the output tokens) when a refit came in the middle of the request, else its `weight_version`."""
     spans = meta.get("weight_versions")

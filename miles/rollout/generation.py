@@ -75,8 +75,8 @@ class SampleRecord:
 
 
 class GenerateClient:
-    """What a generate function works with: the engines (`generate`, merged with every concurrent caller's
-    requests), the tokenizer and prompt formatting, the run's reward and config."""
+    """What a generate function works with: the engines (`generate`, batched on the engines with every concurrent
+    caller's requests), the tokenizer and prompt formatting, the run's reward and config."""
 
     def __init__(
         self, controller, tokenizer, config: RunConfig, reward: RewardFn | object, data: DataConfig | None = None

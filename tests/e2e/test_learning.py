@@ -6,7 +6,10 @@ Bar: sampled reward of the last 20 iterations at least 0.02 above the first 20 (
 about 0.005: 20 x 512 samples a side), and greedy accuracy of the final weights on 200 sums (the default
 evaluation, on the engines, at rollout 0 and at the end) no lower than the starting (warmed-up) model's. How far
 a run gets depends on the CPU's float rounding, so the bar asks for learning, not for a figure. Over 100 rollouts
-here: +0.096 (grpo, one worker), +0.091 (gspo), +0.081 (rloo), +0.064 (async); greedy 0.245 -> 0.35-0.44.
+on one machine: +0.096 (grpo, one worker), +0.091 (gspo), +0.081 (rloo), +0.064 (async); greedy 0.245 -> 0.35-0.44.
+On another, whose warm-up stops at a weaker model (greedy 0.17): +0.025 (sync, plain loop), +0.015 (async);
+rl-fully-async (two versions behind) +0.019 (plain loop) and -0.002 (flow) at 100 rollouts, +0.043 (flow) at
+200, greedy 0.17 -> 0.27: it runs 200.
 """
 
 import pytest
@@ -108,6 +111,25 @@ def test_async_flow_learns_addition(ray_session, prefect_api, tmp_path, model_ca
     )
     assert async_rl(config, return_state=True).is_completed()
     _check_learning(config)
+
+
+def test_fully_async_flow_learns_addition_several_versions_off_policy(
+    ray_session, prefect_api, tmp_path, model_cache_env
+):
+    """Two rollouts generated ahead (the default window): tokens about two versions behind the trainer, corrected by
+    TIS (the default algo.use_tis) on the engine's per-token log-probs."""
+    from flows.fully_async_rl import fully_async_rl
+
+    config = load_config(
+        None,
+        ["rollout.num_threads=1", "train.num_threads=1"],
+        run_dir=str(tmp_path / "run"),
+        num_rollout=2 * LEARNING_ROLLOUTS,  # two versions behind, it learns more slowly than one behind
+    )
+    assert fully_async_rl(config, return_state=True).is_completed()
+    _check_learning(config)
+    staleness = [r["token_staleness_mean"] for r in RunDir(config.run_dir).metrics()[3:]]
+    assert 1.5 <= sum(staleness) / len(staleness) <= 2.0  # two versions off-policy, as the window sets
 
 
 def test_multi_lora_flow_learns_both_tasks(ray_session, prefect_api, tmp_path, model_cache_env):

@@ -26,7 +26,8 @@ with SGLang's request fields, response JSON and status codes:
 It generates with a TorchEngine, so tokens and log-probs are real; as SGLang, it honours `sampling_seed` only with
 `--enable-deterministic-inference`. `/test_fault` is its own, not SGLang's: it makes every later request answer an
 HTTP error, as a server whose scheduler crashed does, every log-prob come back null (`null_logprobs`), or the next
-disk or distributed load take the server down (`die_on_load`), or every batch take `generate_delay_s` longer.
+disk or distributed load take the server down (`die_on_load`), every batch take `generate_delay_s` longer, or
+every decode step `decode_delay_s` longer.
 """
 
 from __future__ import annotations
@@ -199,6 +200,16 @@ class StandInServer:
             for r, q, p in zip(results, requests, params, strict=True)
         ]
         return JSONResponse(outputs[0] if single else outputs)
+
+    def slow_decoding(self, delay_s: float) -> None:
+        """/test_fault: every decode step takes `delay_s` longer, so a push can land in the middle of a generation."""
+        step = type(self.engine)._step.__get__(self.engine)
+
+        def slowed(admitted):
+            time.sleep(delay_s)
+            step(admitted)
+
+        self.engine._step = slowed if delay_s else step
 
     def stops_on_eos(self, params: dict) -> tuple[int, ...]:
         return () if params.get("ignore_eos", False) else self.eos_ids
@@ -417,6 +428,7 @@ def build_app(server: StandInServer) -> FastAPI:
         server.null_logprobs = body.get("null_logprobs", False)
         server.die_on_load = body.get("die_on_load", False)
         server.generate_delay_s = body.get("generate_delay_s", 0.0)
+        server.slow_decoding(body.get("decode_delay_s", 0.0))
         return {"success": True}
 
     @app.get("/health")

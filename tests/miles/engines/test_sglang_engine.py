@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from miles.config import SGLangConfig
 from miles.engines import EngineUnavailable, GenerateRequest, RolloutEngine, SamplingParams
-from miles.engines.sglang_engine import SGLangEngine
+from miles.engines.sglang_engine import SGLangEngine, token_versions
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import FLATTENED, check_first_rows, first_rows
 from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory
@@ -334,3 +334,42 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead, only not yet reaped
         return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def testtoken_versions_come_from_the_weight_versions_spans():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert token_versions({"weight_version": "4", "weight_versions": spans}, 5) == [3, 3, 4, 4, 4]
+    assert token_versions({"weight_version": "4"}, 3) == [4, 4, 4]  # no push came while it ran
+    with pytest.raises(EngineUnavailable, match="do not cover the 6 output tokens"):
+        token_versions({"weight_version": "4", "weight_versions": spans}, 6)
+
+
+def test_a_push_mid_generation_continues_the_requests_on_the_new_weights(tiny_model_dir, tokenizer, tmp_path):
+    """As SGLang with pause mode retract: the requests in flight wait out the refit and go on with the new weights;
+    the server reports where the version changed (`weight_versions` spans), requests done before keep the old
+    version and those that start after get the new one."""
+    engine = _start(tiny_model_dir, weight_version=3, max_running_requests=2)
+    try:
+        httpx.post(f"{engine.url}/test_fault", json={"decode_delay_s": 0.02}, trust_env=False).raise_for_status()
+        body = {
+            "input_ids": [tokenizer(p)["input_ids"] for p in ["1+2=", "45+67=", "3+4=", "9+9=", "5+6=", "7+0="]],
+            "sampling_params": {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 1},
+            "return_logprob": True,
+        }
+        outputs: list = []
+        thread = threading.Thread(
+            target=lambda: outputs.extend(httpx.post(f"{engine.url}/generate", json=body, timeout=60).json())
+        )
+        thread.start()
+        time.sleep(0.3)  # of about 0.7 s: three waves of two requests, 12 steps each
+        weights = perturbed_weights(tiny_model_dir, 1, 0.05)
+        engine.update_weights_from_disk(str(weights_directory(tiny_model_dir, weights, tmp_path / "4")), 4)
+        thread.join(60)
+    finally:
+        engine.shutdown()
+    versions = [token_versions(o["meta_info"], len(o["output_ids"])) for o in outputs]
+    assert all(len(v) == 12 for v in versions)  # no token lost or repeated
+    assert [3] * 12 in versions and [4] * 12 in versions
+    split = [v for v in versions if v[0] == 3 and v[-1] == 4]
+    assert split and all(v == sorted(v) for v in split)
+    assert all(o["meta_info"]["weight_version"] == "4" for o, v in zip(outputs, versions, strict=True) if v[-1] == 4)

@@ -1,4 +1,4 @@
-"""InferenceController on Ray: concurrent callers are merged into one batch and each gets its own results."""
+"""InferenceController on Ray: concurrent callers meet in the engines' batches and each gets its own results."""
 
 from __future__ import annotations
 
