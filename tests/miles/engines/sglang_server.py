@@ -228,7 +228,8 @@ class StandInServer:
             "id": uuid.uuid4().hex,
             "finish_reason": finish,
             "prompt_tokens": len(request.prompt_ids),
-            "weight_version": self.weight_version,
+            # the version when the request finished, as SGLang stamps it (a batch answers once all have)
+            "weight_version": str(result.weight_versions[-1]) if result.weight_versions else self.weight_version,
             "completion_tokens": len(result.output_ids),
             "cached_tokens": 0,
             "e2e_latency": time.perf_counter() - started,

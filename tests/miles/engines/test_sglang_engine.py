@@ -350,7 +350,7 @@ def test_a_push_mid_generation_continues_the_requests_on_the_new_weights(tiny_mo
     version and those that start after get the new one."""
     engine = _start(tiny_model_dir, weight_version=3, max_running_requests=2)
     try:
-        httpx.post(f"{engine.url}/test_fault", json={"decode_delay_s": 0.02}, trust_env=False).raise_for_status()
+        httpx.post(f"{engine.url}/test_fault", json={"decode_delay_s": 0.05}, trust_env=False).raise_for_status()
         body = {
             "input_ids": [tokenizer(p)["input_ids"] for p in ["1+2=", "45+67=", "3+4=", "9+9=", "5+6=", "7+0="]],
             "sampling_params": {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 1},
@@ -361,7 +361,10 @@ def test_a_push_mid_generation_continues_the_requests_on_the_new_weights(tiny_mo
             target=lambda: outputs.extend(httpx.post(f"{engine.url}/generate", json=body, timeout=60).json())
         )
         thread.start()
-        time.sleep(0.3)  # of about 0.7 s: three waves of two requests, 12 steps each
+        deadline = time.monotonic() + 10
+        while httpx.post(f"{engine.url}/flush_cache", trust_env=False).status_code != 400:  # 400: requests run
+            assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.9)  # about 17 of the 36 steps: three waves of two requests, 12 steps each
         weights = perturbed_weights(tiny_model_dir, 1, 0.05)
         engine.update_weights_from_disk(str(weights_directory(tiny_model_dir, weights, tmp_path / "4")), 4)
         thread.join(60)
