@@ -410,7 +410,7 @@ def embedded_adapters() -> list[AdapterConfig]:
             name=task,
             data=DataConfig(task=task),
             lr=3e-3,
-            num_steps=100,
+            num_steps=150,
             rollout_batch_size=64,
             n_samples_per_prompt=8,
             global_batch_size=256,

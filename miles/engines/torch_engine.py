@@ -8,7 +8,8 @@ its neighbours are and whenever it joined.
 
 Weights change between two decode steps: a push pauses the loop, loads, and the requests in flight go on with the
 new weights (SGLang's `pause_generation`/`continue_generation`): in mode `retract` their KV cache is recomputed
-on the new weights, in `in_place` it is kept. Every token records the version of the weights that produced it.
+on the new weights, in `in_place` it is kept (always for an adapter push: the other adapters' caches stay valid).
+Every token records the version of the weights that produced it.
 
 LoRA adapters are served with peft: every loaded adapter sits on the one base model, and a batch may mix
 requests of several adapters (and of the base), each row running through its own adapter.
@@ -69,7 +70,7 @@ class TorchEngine:
         self._pauses = 0
         self._stepping = False
         self._closed = False
-        self.busy_s = 0.0  # time spent in decode steps, for the busy fraction the benchmarks print
+        self._busy_s = 0.0  # time spent in decode steps
         self._loop = threading.Thread(target=self._decode_loop, name="torch-engine-decode", daemon=True)
         self._loop.start()
         atexit.register(self._stop_decoding)
@@ -81,13 +82,15 @@ class TorchEngine:
         return dict(self._adapter_versions)
 
     def busy_seconds(self) -> float:
-        return self.busy_s
+        """Seconds spent in decode steps since the engine started (its busy fraction, over a wall time)."""
+        return self._busy_s
 
     @torch.no_grad()  # not inference_mode: peft flips requires_grad on adapter tensors when one is deleted
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
         """Load (or replace) LoRA adapter `name` from its PEFT state dict and adapter_config.json contents."""
         lora = LoraConfig(**{k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__})
-        with self.paused(self.pause_generation_mode):
+        # In place: the other adapters' rows keep their KV cache, which the new adapter leaves as it was.
+        with self.paused("in_place"):
             if not isinstance(self.model, PeftModel):
                 self.model = get_peft_model(self.model, lora, adapter_name=name).eval()
             elif name not in self.model.peft_config:
@@ -108,7 +111,7 @@ class TorchEngine:
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapter_versions:
             return
-        with self.paused(self.pause_generation_mode):
+        with self.paused("in_place"):
             in_flight = [s for s in self._in_flight() if s.request.adapter == name]
             if in_flight:
                 raise ValueError(f"adapter {name!r} has {len(in_flight)} requests in flight; it stays loaded")
@@ -289,7 +292,7 @@ class TorchEngine:
             sampled = sampled[~finished]
         if self._batch is not None:
             self._forward(batch, sampled)
-        self.busy_s += time.perf_counter() - started
+        self._busy_s += time.perf_counter() - started
 
     def _version_of(self, sequence: _Sequence) -> int:
         adapter = sequence.request.adapter

@@ -7,9 +7,9 @@ about 0.005: 20 x 512 samples a side), and greedy accuracy of the final weights 
 evaluation, on the engines, at rollout 0 and at the end) no lower than the starting (warmed-up) model's. How far
 a run gets depends on the CPU's float rounding, so the bar asks for learning, not for a figure. Over 100 rollouts
 on one machine: +0.096 (grpo, one worker), +0.091 (gspo), +0.081 (rloo), +0.064 (async); greedy 0.245 -> 0.35-0.44.
-On another, whose warm-up stops at a weaker model (greedy 0.17): +0.025 (sync, plain loop), +0.015 (async);
-rl-fully-async (two versions behind) +0.019 (plain loop) and -0.002 (flow) at 100 rollouts, +0.043 (flow) at
-200, greedy 0.17 -> 0.27: it runs 200.
+On another, whose warm-up stops at a weaker model (greedy 0.17): +0.025 (sync, plain loop), +0.009 to +0.017
+(async); rl-fully-async (two versions behind) +0.019 (plain loop) and -0.002 (flow) at 100 rollouts, +0.043
+(flow) at 200, greedy 0.17 -> 0.27: the off-policy flows run 200.
 """
 
 import pytest
@@ -107,7 +107,7 @@ def test_async_flow_learns_addition(ray_session, prefect_api, tmp_path, model_ca
         None,
         ["rollout.num_threads=1", "train.num_threads=1"],
         run_dir=str(tmp_path / "run"),
-        num_rollout=LEARNING_ROLLOUTS,
+        num_rollout=2 * LEARNING_ROLLOUTS,  # where the warm-up stops weaker, 100 rollouts one behind learn too little
     )
     assert async_rl(config, return_state=True).is_completed()
     _check_learning(config)
@@ -133,7 +133,8 @@ def test_fully_async_flow_learns_addition_several_versions_off_policy(
 
 
 def test_multi_lora_flow_learns_both_tasks(ray_session, prefect_api, tmp_path, model_cache_env):
-    """The embedded multi-LoRA default: an addition and a subtraction adapter on one base, trained in one flow run."""
+    """The embedded multi-LoRA default: an addition and a subtraction adapter on one base, trained in one flow run
+    (150 rollouts each; subtraction learns slowly: +0.033 here, +0.0196 within the first 100)."""
     from flows.multi_lora import multi_lora
 
     config = load_config(None, ["rollout.num_threads=1", "train.num_threads=1"], run_dir=str(tmp_path / "run"))
@@ -143,7 +144,7 @@ def test_multi_lora_flow_learns_both_tasks(ray_session, prefect_api, tmp_path, m
     for name in ("addition", "subtraction"):
         run_dir = RunDir(tmp_path / "run" / "adapters" / name)
         rewards = [r["reward_mean"] for r in run_dir.metrics()]
-        assert len(rewards) == 100
+        assert len(rewards) == 150
         initial, final = _greedy_accuracy(run_dir, name)
         reports[name] = {
             "first25": sum(rewards[:25]) / 25,

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from flows.multi_lora import multi_lora
 from miles.loop import run_multi_lora
 from miles.multi_lora import AdapterRun
+from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 from tests.helpers import max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill
@@ -117,7 +118,9 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     ray_session, prefect_api, small_config, monkeypatch, tmp_path
 ):
     reference = small_config(*ADAPTERS, run_dir=str(tmp_path / "uninterrupted"))
-    run_multi_lora(reference)  # each adapter's samples and steps depend on its own seeds only, not on the interleaving
+    # Each adapter's samples depend on its own seeds only, not on the interleaving; their log-probs on their batch
+    # mates at float rounding (the engines batch whatever is in flight), and so the trained weights.
+    run_multi_lora(reference)
     config = small_config(*ADAPTERS)  # no checkpoint before an adapter's last rollout: a restore replays its ledger
     fault_before(
         monkeypatch,
@@ -151,14 +154,18 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     assert all(r.state.is_completed() for r in task_runs)
     for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):
         adapter_dir = Path(config.run_dir) / "adapters" / adapter
+        reference_dir = Path(reference.run_dir) / "adapters" / adapter
         assert sorted(RunDir(adapter_dir).ledger().trained) == list(range(steps))
         assert_whole_rollouts(adapter_dir, range(steps), samples)
+        for rollout_id in range(steps):
+            samples_of = [RolloutStore(RunDir(d).rollouts).read(rollout_id) for d in (adapter_dir, reference_dir)]
+            assert samples_of[0].column("response_ids").equals(samples_of[1].column("response_ids"))
         assert (
             max_abs_diff(
                 _adapter_weights(config.run_dir, adapter, steps - 1),
                 _adapter_weights(reference.run_dir, adapter, steps - 1),
             )
-            == 0.0
+            < 1e-4
         )
 
 
