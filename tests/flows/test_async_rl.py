@@ -9,7 +9,7 @@ from flows.async_rl import async_rl
 from miles.run import RLRun
 from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
-from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill
+from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
 
 
 async def _task_runs(flow_run_id):
@@ -86,4 +86,6 @@ def test_async_flow_recovers_from_a_killed_engine_and_a_killed_trainer(
     assert [m["weight_version"] for m in _metrics(config.run_dir)] == [
         m["weight_version"] for m in _metrics(reference.run_dir)
     ]
-    assert max_abs_diff(final_weights(config.run_dir, 4), final_weights(reference.run_dir, 4)) == 0.0
+    assert_same_samples(config.run_dir, reference.run_dir, range(5))
+    # An evaluation runs beside the first generation, so batch mates differ from run to run at float rounding.
+    assert max_abs_diff(final_weights(config.run_dir, 4), final_weights(reference.run_dir, 4)) < 1e-5

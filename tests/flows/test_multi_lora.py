@@ -13,10 +13,9 @@ from safetensors.torch import load_file
 from flows.multi_lora import multi_lora
 from miles.loop import run_multi_lora
 from miles.multi_lora import AdapterRun
-from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 from tests.helpers import max_abs_diff, sglang_overrides
-from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill
+from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
 
 ADAPTERS = [
     "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 3, rollout_batch_size: 4,"
@@ -154,12 +153,9 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     assert all(r.state.is_completed() for r in task_runs)
     for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):
         adapter_dir = Path(config.run_dir) / "adapters" / adapter
-        reference_dir = Path(reference.run_dir) / "adapters" / adapter
         assert sorted(RunDir(adapter_dir).ledger().trained) == list(range(steps))
         assert_whole_rollouts(adapter_dir, range(steps), samples)
-        for rollout_id in range(steps):
-            samples_of = [RolloutStore(RunDir(d).rollouts).read(rollout_id) for d in (adapter_dir, reference_dir)]
-            assert samples_of[0].column("response_ids").equals(samples_of[1].column("response_ids"))
+        assert_same_samples(adapter_dir, Path(reference.run_dir) / "adapters" / adapter, range(steps))
         assert (
             max_abs_diff(
                 _adapter_weights(config.run_dir, adapter, steps - 1),

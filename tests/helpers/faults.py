@@ -50,3 +50,14 @@ def assert_whole_rollouts(run_dir, rollout_ids, samples: int) -> None:
     for i in rollout_ids:
         with pa.memory_map(str(root / f"rollout_{i}.arrow")) as source:
             assert pa.ipc.open_file(source).read_all().num_rows == samples
+
+
+def assert_same_samples(run_dir, reference_dir, rollout_ids) -> None:
+    """Every rollout holds the same sampled tokens as the reference run's: a recovery regenerates what was lost
+    from the same seeds. (Their log-probs may differ at float rounding: the engines batch whatever is in flight.)"""
+    for i in rollout_ids:
+        tables = [
+            pa.ipc.open_file(str(Path(d) / "rollouts" / f"rollout_{i}.arrow")).read_all()
+            for d in (run_dir, reference_dir)
+        ]
+        assert tables[0].column("response_ids").equals(tables[1].column("response_ids")), f"rollout {i}"
