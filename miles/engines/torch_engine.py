@@ -294,10 +294,6 @@ class TorchEngine:
             self._forward(batch, sampled)
         self._busy_s += time.perf_counter() - started
 
-    def _version_of(self, sequence: _Sequence) -> int:
-        adapter = sequence.request.adapter
-        return self._adapter_versions[adapter] if adapter else self._weight_version
-
     def _adapter_kwargs(self, sequences: list[_Sequence]) -> dict:
         if not isinstance(self.model, PeftModel):
             return {}
@@ -329,7 +325,9 @@ class TorchEngine:
         )
 
     def _versions(self, sequences: list[_Sequence]) -> list[int]:
-        return [self._version_of(s) for s in sequences]
+        """The weight version each sequence's next logits come from: its adapter's, or the base weights'."""
+        adapters = self._adapter_versions
+        return [adapters[s.request.adapter] if s.request.adapter else self._weight_version for s in sequences]
 
     def _forward(self, batch: _Batch, sampled: torch.Tensor) -> None:
         """Every row one position on: the token it drew goes through the model; the logits of its next one come out."""
