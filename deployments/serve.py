@@ -1,14 +1,18 @@
 """Serve the RL flows as deployments from one process, each with an optional schedule.
 
-    python -m deployments.serve [--config FILE] [--set a.b=value ...]
+    python -m deployments.serve [--config FILE] [--set a.b=value ...] [--allow-module PKG ...]
                                 [--sync-interval SECONDS | --sync-cron EXPR] [--async-interval SECONDS | --async-cron EXPR]
                                 [--fully-async-interval SECONDS | --fully-async-cron EXPR]
                                 [--multi-lora-interval SECONDS | --multi-lora-cron EXPR]
 
 Deployments `rl-sync/tiny`, `rl-async/tiny`, `rl-fully-async/tiny` and `rl-multi-lora/tiny` run the config (default:
-configs/tiny.yaml beside this file), each in its own run directory (`<run_dir>-<name>`),
-at most one flow run at a time. With `iterations_per_run` set, each scheduled run trains that many rollouts (per
-adapter, for multi-LoRA) and exits; the next resumes.
+configs/tiny.yaml beside this file), each in its own run directory (`<run_dir>-<name>`), at most one flow run at a
+time. With `iterations_per_run` set, each scheduled run trains that many rollouts (per adapter, for multi-LoRA) and
+exits; the next resumes.
+
+A run's config may name code by import path (`data.reward: pkg.mod:fn`, custom algorithms, environments, generate
+functions) only in `miles` and in the modules given by --allow-module; anything else fails before work
+(flows.runtime.check_deployment_imports), whoever started the run and with whatever parameters.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML run config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value")
+    parser.add_argument(
+        "--allow-module",
+        dest="allowed_modules",
+        action="append",
+        default=[],
+        metavar="PKG",
+        help="a package or module whose code a run's config may name by import path (miles is always allowed)",
+    )
     for name in FLOWS:
         when = parser.add_mutually_exclusive_group()
         when.add_argument(f"--{name}-interval", type=float, metavar="SECONDS", help=f"schedule rl-{name} every SECONDS")
@@ -36,14 +48,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from miles.config import ConfigError, load_config
+    from miles.registry import ImportNotAllowed, check_allowed_modules
 
     try:
         base = load_config(args.config, args.overrides)
-    except ConfigError as exc:
+        check_allowed_modules(
+            base.import_paths(), args.allowed_modules, f"{args.config} (allow more with --allow-module)"
+        )
+    except (ConfigError, ImportNotAllowed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from flows.runtime import configure_prefect
+    from flows.runtime import ALLOWED_MODULES_VARIABLE, configure_prefect
 
     configure_prefect()
     from prefect import serve
@@ -60,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 cron=getattr(args, f"{option}_cron"),
                 tags=["rl", name],
                 concurrency_limit=1,  # one flow run per deployment, so per run directory
+                job_variables={"env": {ALLOWED_MODULES_VARIABLE: ",".join(args.allowed_modules)}},
                 description=f"rl-{name} on {args.config}",
             )
         )

@@ -24,7 +24,7 @@ from prefect import flow
 from prefect.futures import PrefectFuture, as_completed
 
 from flows.report import RunReport
-from flows.runtime import RL_FLOW_OPTIONS
+from flows.runtime import RL_FLOW_OPTIONS, check_deployment_imports
 from miles.config import RunConfig
 from miles.multi_lora import AdapterRun, MultiLoRARun
 from tasks import evaluate, generate, get, push_adapter, retire_adapter, save_checkpoint, train_step
@@ -32,6 +32,7 @@ from tasks import evaluate, generate, get, push_adapter, retire_adapter, save_ch
 
 @flow(name="rl-multi-lora", **RL_FLOW_OPTIONS)
 def multi_lora(config: RunConfig) -> dict:
+    check_deployment_imports(config)
     with MultiLoRARun(config) as run:
         adapters = run.active()
         reports = {adapter.name: RunReport(adapter, f"rl-multi-lora-{adapter.name}") for adapter in adapters}

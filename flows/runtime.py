@@ -80,3 +80,38 @@ RL_FLOW_OPTIONS = {
     "on_failure": [drain_task_history],
     "on_crashed": [drain_task_history],
 }
+
+
+ALLOWED_MODULES_VARIABLE = "MILES_ALLOWED_MODULES"
+
+
+def allowed_modules(job_variables: dict) -> list[str]:
+    """The modules a deployment allows: its job variable env.MILES_ALLOWED_MODULES, comma-separated."""
+    text = (job_variables.get("env") or {}).get(ALLOWED_MODULES_VARIABLE, "")
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def check_deployment_imports(config) -> None:
+    """A flow run started from a deployment imports only the modules that deployment allows (miles.* always).
+
+    Anyone who can reach the API can start a deployment with any parameters, and the config names code by import
+    path; the allow-list is read from the deployment as it was defined (deployments/serve.py --allow-module, or
+    prefect.yaml's job_variables), never from the run's own parameters or job variables. A flow called directly
+    (`miles run`, Python) keeps full freedom.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    from miles.registry import check_allowed_modules
+
+    context = FlowRunContext.get()
+    deployment_id = context.flow_run.deployment_id if context and context.flow_run else None
+    if deployment_id is None:
+        return
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment(deployment_id)
+    check_allowed_modules(
+        config.import_paths(),
+        allowed_modules(deployment.job_variables),
+        f"deployment {context.flow.name}/{deployment.name}",
+    )

@@ -17,7 +17,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.report import RunReport
-from flows.runtime import RL_FLOW_OPTIONS
+from flows.runtime import RL_FLOW_OPTIONS, check_deployment_imports
 from miles.config import RunConfig
 from miles.run import RLRun
 from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_step
@@ -25,6 +25,7 @@ from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_
 
 @flow(name="rl-sync", **RL_FLOW_OPTIONS)
 def sync_rl(config: RunConfig) -> dict:
+    check_deployment_imports(config)
     with RLRun(config) as run:
         report = RunReport(run, "rl-sync")
         for rollout_id in run.rollout_ids():

@@ -12,9 +12,28 @@ from miles.run_dir import RunDir
 from miles.seeds import adapter_run_seed
 from miles.train.algorithms import check_algorithm_name
 
+# Marks a field that may name the user's code as 'pkg.mod:name' (RunConfig.import_paths lists them).
+IMPORT_PATH = {"import_path": True}
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def import_paths(self, prefix: str = "") -> dict[str, str]:
+        """Every 'pkg.mod:name' the config names, by field: {'data.reward': 'my_rewards:score', ...}."""
+        found = {}
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            field = f"{prefix}{name}"
+            if isinstance(value, _Section):
+                found |= value.import_paths(f"{field}.")
+            elif isinstance(value, list):
+                for index, item in enumerate(value):
+                    if isinstance(item, _Section):
+                        found |= item.import_paths(f"{field}.{index}.")
+            elif info.json_schema_extra == IMPORT_PATH and isinstance(value, str) and ":" in value:
+                found[field] = value
+        return found
 
 
 class TinyModelConfig(_Section):
@@ -65,6 +84,7 @@ class DataConfig(_Section):
     shuffle: bool = True
     reward: str = Field(
         "exact_match",
+        json_schema_extra=IMPORT_PATH,
         description="exact_match, digit_match, math (math-verify), gsm8k, or an import path 'pkg.mod:name' of a "
         "reward function (plain or async) or of an object with score_batch",
     )
@@ -214,6 +234,7 @@ class RolloutConfig(_Section):
     sglang: SGLangConfig = SGLangConfig()
     env: str | None = Field(
         None,
+        json_schema_extra=IMPORT_PATH,
         description="multi-turn episodes in this environment (built-in: calculator; or 'pkg.mod:Class'), rewarded "
         "by it instead of data.reward; unset: one completion per prompt",
     )
@@ -226,6 +247,7 @@ class RolloutConfig(_Section):
     )
     generate_fn: str | None = Field(
         None,
+        json_schema_extra=IMPORT_PATH,
         description="'pkg.mod:fn' producing the samples: fn(client, samples) -> list[SampleRecord] "
         "(miles.rollout.generation); unset: one completion per prompt, or episodes with rollout.env",
     )
@@ -258,11 +280,15 @@ class AlgoConfig(_Section):
 
     advantage_estimator: str = Field(
         "grpo",
+        json_schema_extra=IMPORT_PATH,
         description="grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, or 'pkg.mod:fn'",
     )
-    policy_loss: str = Field("ppo_clip", description="ppo_clip, gspo, cispo, or 'pkg.mod:fn'")
+    policy_loss: str = Field(
+        "ppo_clip", json_schema_extra=IMPORT_PATH, description="ppo_clip, gspo, cispo, or 'pkg.mod:fn'"
+    )
     loss_aggregation: str | None = Field(
         None,
+        json_schema_extra=IMPORT_PATH,
         description="token_mean, seq_mean_token_sum, seq_mean_token_mean, seq_mean_token_sum_norm, or 'pkg.mod:fn'; "
         "unset: the method's own (gspo: seq_mean_token_mean, else dr_grpo: seq_mean_token_sum_norm, else token_mean)",
     )
@@ -271,7 +297,9 @@ class AlgoConfig(_Section):
     clip_ratio_c: float | None = Field(
         None, gt=1, description="ppo_clip's dual clip: a negative-advantage token's loss is at most -c A; unset: off"
     )
-    kl_estimator: str = Field("k3", description="k1, k2 (mse), k3 (low_var_kl), abs, or 'pkg.mod:fn'")
+    kl_estimator: str = Field(
+        "k3", json_schema_extra=IMPORT_PATH, description="k1, k2 (mse), k3 (low_var_kl), abs, or 'pkg.mod:fn'"
+    )
     use_kl_loss: bool = Field(False, description="KL to the starting policy as a loss term, weighted kl_loss_coef")
     kl_loss_coef: float = Field(0.0, ge=0)
     kl_in_reward: bool = Field(

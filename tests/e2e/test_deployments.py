@@ -91,7 +91,17 @@ def served(tmp_path_factory, tiny_model_dir):
     try:
         _wait(lambda: httpx.get(f"{api}/health").status_code == 200, 90, "the Prefect server")
         serve = _start(
-            [sys.executable, "-m", "deployments.serve", "--config", str(config_file)], env, tmp_path / "serve.log"
+            [
+                sys.executable,
+                "-m",
+                "deployments.serve",
+                "--config",
+                str(config_file),
+                "--allow-module",
+                ALLOWED_REWARDS.partition(":")[0],
+            ],
+            env,
+            tmp_path / "serve.log",
         )
         try:
             _wait(
@@ -106,7 +116,7 @@ def served(tmp_path_factory, tiny_model_dir):
         _stop(server)
 
 
-def _deployment_run(env, params: dict) -> str:
+def _deployment_run(env, params: dict, expect_success: bool = True) -> str:
     out = subprocess.run(
         [
             PREFECT,
@@ -125,7 +135,7 @@ def _deployment_run(env, params: dict) -> str:
         text=True,
         timeout=330,
     )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert (out.returncode == 0) is expect_success, out.stdout[-2000:] + out.stderr[-2000:]
     return re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
 
 
@@ -158,6 +168,28 @@ def test_deployment_run_records_history_and_resumes(served, first_run):
     assert second != first
     assert [r["rollout_id"] for r in RunDir(run_dir).metrics()] == [0, 1, 2, 3]
     assert not (run_dir / "run.lock").exists()
+
+
+ALLOWED_REWARDS = "tests.miles.rollout.rewards_for_tests:fails_on_some_labels"  # digit_match on these labels
+
+
+def test_a_deployment_run_imports_only_what_the_deployment_allows(served, tmp_path):
+    api, env, config_file = served
+    params = load_config(config_file, ["num_rollout=1"], run_dir=str(tmp_path / "refused")).model_dump(mode="json")
+    params["data"]["reward"] = "subprocess:getoutput"
+    refused = httpx.get(f"{api}/flow_runs/{_deployment_run(env, params, expect_success=False)}").json()
+    assert refused["state_type"] == "FAILED"
+    assert (
+        "deployment rl-sync/tiny: imports are allowed only from miles, tests.miles.rollout.rewards_for_tests:\n"
+        "  data.reward: module 'subprocess' is not allowed"
+    ) in refused["state"]["message"]
+    assert not (tmp_path / "refused").exists()  # refused before the run directory, the actors or the engines
+
+    params.update(run_dir=str(tmp_path / "allowed"))
+    params["data"]["reward"] = ALLOWED_REWARDS
+    allowed = httpx.get(f"{api}/flow_runs/{_deployment_run(env, params)}").json()
+    assert allowed["state_type"] == "COMPLETED"
+    assert [r["rollout_id"] for r in RunDir(tmp_path / "allowed").metrics()] == [0]
 
 
 CHROMIUM = Path("/usr/bin/chromium")
