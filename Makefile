@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
-.PHONY: install install-gpu run run-gpu test ui server
+.PHONY: install install-gpu run run-gpu test ui server server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -49,3 +49,10 @@ server: install
 	trap "kill $$server" EXIT; \
 	until curl -sf http://127.0.0.1:4200/api/health >/dev/null; do sleep 0.5; done; \
 	$(PREFECT_ENV) PREFECT_API_URL=http://127.0.0.1:4200/api $(PY) -m deployments.serve
+
+# The same on PostgreSQL (deployments/postgres.py: a cluster in .postgres/ on 127.0.0.1:5433, created on first use),
+# for a server that runs for weeks or serves several users; `generate` then carries the `gpu` tag, so that
+# `prefect concurrency-limit create gpu N` caps the generations running at once.
+server-postgres: install
+	$(PY) -m deployments.postgres start >/dev/null
+	$(MAKE) server PREFECT_ENV="$(PREFECT_ENV) PREFECT_API_DATABASE_CONNECTION_URL=$$($(PY) -m deployments.postgres url) MILES_GPU_TAG=gpu"

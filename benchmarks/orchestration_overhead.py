@@ -31,10 +31,11 @@ from tasks.history import finished_task_runs  # noqa: E402
 
 
 @flow(name="overhead-probe", **RL_FLOW_OPTIONS)
-def probe(run: RLRun, rollout_ids: list[int]) -> int:
+def probe(run: RLRun, rollout_ids: list[int], generate_tags: list[str] | None = None) -> int:
     """The sync flow's loop body, without its report; returns its task runs."""
+    generate_task = generate.with_options(tags=generate_tags) if generate_tags else generate
     for rollout_id in rollout_ids:
-        generate(run, rollout_id)
+        generate_task(run, rollout_id)
         table = get(run, rollout_id)
         train_step(run, rollout_id, table)
         if run.should_sync(rollout_id):

@@ -3,7 +3,7 @@
     <run_dir>/
         run.json            the config, the starting model, package versions, one entry per start
         run.lock            the pid of the process training the run
-        ledger.json         the rollouts trained, with their metrics
+        ledger.jsonl        the rollouts trained, with their metrics, a line each
         metrics.jsonl       one line per finished iteration and per evaluation of an eval data set
         rollouts/           rollout_<id>.arrow (RolloutStore)
         checkpoints/<id>/   model or adapter, optimizer, state.json (miles.checkpoint)
@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from miles.atomic import write_json_atomic
+from miles.atomic import atomic_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class RunDir:
 
     def ledger(self) -> Ledger:
         """The ledger as it is on disk now (the trainer actor writes it from its own process)."""
-        return Ledger(self.path / "ledger.json")
+        return Ledger(self.path / "ledger.jsonl", older=self.path / "ledger.json")
 
     # metrics.jsonl: one line per finished iteration, appended once per rollout_id, and one per evaluation of an
     # eval data set (its "eval" field names the data set), appended once per (rollout_id, data set).
@@ -143,17 +143,37 @@ def _versions() -> dict[str, str]:
 
 
 class Ledger:
-    """Which rollout_ids were trained, with their metrics (ledger.json)."""
+    """Which rollout_ids were trained, with their metrics: ledger.jsonl, one line appended per trained rollout, so
+    that recording costs the same at rollout 10 and at rollout 100,000 (rewriting one file of every entry grew with
+    the run). A line a crash cut short is skipped on reading: its rollout counts as untrained and is trained again
+    from the checkpoint, once. A ledger.json of an older run is read first."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, older: Path | None = None):
         self.path = path
+        self.older = older
         self.trained: dict[int, dict[str, float]] = {}
+        if older is not None and older.exists():
+            self.trained = {int(k): v for k, v in json.loads(older.read_text())["trained"].items()}
         if self.path.exists():
-            self.trained = {int(k): v for k, v in json.loads(self.path.read_text())["trained"].items()}
+            for line in self.path.read_bytes().splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                self.trained[entry["rollout_id"]] = entry["metrics"]
 
     def record(self, rollout_id: int, metrics: dict[str, float]) -> None:
         self.trained[rollout_id] = metrics
-        self._save()
+        line = json.dumps({"rollout_id": rollout_id, "metrics": metrics}).encode() + b"\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a+b") as f:
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":  # the end of a line a crash cut short: start a line of our own
+                    line = b"\n" + line
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
 
     def forget_after(self, rollout_id: int) -> list[int]:
         """Drop entries whose weights were lost (trained after the checkpoint a run resumes from)."""
@@ -161,11 +181,13 @@ class Ledger:
         for k in lost:
             del self.trained[k]
         if lost:
-            self._save()
+            with atomic_file(self.path, "w") as f:
+                f.writelines(
+                    json.dumps({"rollout_id": k, "metrics": v}) + "\n" for k, v in sorted(self.trained.items())
+                )
+            if self.older is not None:
+                self.older.unlink(missing_ok=True)  # its entries are in the new file now
         return lost
-
-    def _save(self) -> None:
-        write_json_atomic(self.path, {"trained": {str(k): v for k, v in sorted(self.trained.items())}})
 
 
 class RunLock:

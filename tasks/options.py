@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prefect.cache_policies import NO_CACHE
@@ -19,3 +20,14 @@ def task_options(retries: int) -> dict[str, Any]:
         "on_completion": [count_finished],
         "on_failure": [count_finished],
     }
+
+
+GPU_TAG_VARIABLE = "MILES_GPU_TAG"
+
+
+def gpu_tags() -> list[str]:
+    """The tags of the tasks that hold the engines: MILES_GPU_TAG names one (`gpu` with `make server-postgres`), for
+    a tag concurrency limit. Unset by default: each tagged task run asks the API for slots, which a SQLite database
+    answers with 503s and 2 s back-offs under load (benchmarks/README.md); PostgreSQL takes it cheaply."""
+    tag = os.environ.get(GPU_TAG_VARIABLE)
+    return [tag] if tag else []

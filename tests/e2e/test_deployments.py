@@ -1,12 +1,15 @@
-"""Deployments end to end: a Prefect server on 127.0.0.1, the served deployments, `prefect deployment run`."""
+"""Deployments end to end: a Prefect server on 127.0.0.1 (on SQLite, and on PostgreSQL), the served deployments,
+`prefect deployment run`."""
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,8 +59,28 @@ def _wait(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def database(request) -> dict[str, str]:
+    """The Prefect server's database, as environment: its SQLite file under PREFECT_HOME, or PostgreSQL."""
+    if request.param == "sqlite":
+        yield {}
+        return
+    from deployments import postgres
+
+    if not postgres.installed():
+        pytest.skip("needs PostgreSQL (Debian's postgresql; .ci/run installs it)")
+    # Not under pytest's tmp_path, which only root may enter: the server runs as the postgres user when root starts it.
+    directory = Path(tempfile.mkdtemp(prefix="miles-postgres-"))
+    try:
+        # With PostgreSQL, generate carries the gpu tag (as `make server-postgres` sets it), under a concurrency limit.
+        yield {"PREFECT_API_DATABASE_CONNECTION_URL": postgres.start(directory, _free_port()), "MILES_GPU_TAG": "gpu"}
+    finally:
+        postgres.stop(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir):
+def served(tmp_path_factory, tiny_model_dir, database):
     tmp_path = tmp_path_factory.mktemp("served")
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
@@ -68,6 +91,7 @@ def served(tmp_path_factory, tiny_model_dir):
         DO_NOT_TRACK="1",
         PREFECT_UI_API_URL=api,
         PYTHONPATH=str(PROJECT),
+        **database,
     )
     server = _start(
         [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path / "server.log"
@@ -90,6 +114,9 @@ def served(tmp_path_factory, tiny_model_dir):
     )
     try:
         _wait(lambda: httpx.get(f"{api}/health").status_code == 200, 90, "the Prefect server")
+        if "MILES_GPU_TAG" in database:
+            limit = {"tag": database["MILES_GPU_TAG"], "concurrency_limit": 1}
+            httpx.post(f"{api}/concurrency_limits/", json=limit).raise_for_status()
         serve = _start(
             [
                 sys.executable,
@@ -156,6 +183,8 @@ def test_deployment_run_records_history_and_resumes(served, first_run):
     for task in ("generate", "get", "train_step", "sync_weights"):
         assert names[f"{task}[rollout=0]"] == names[f"{task}[rollout=1]"] == "COMPLETED"
     assert "generate[rollout=2]" not in names  # iterations_per_run=2: this run stops after rollout 1
+    gpu_tags = [env["MILES_GPU_TAG"]] if "MILES_GPU_TAG" in env else []
+    assert {tuple(t["tags"]) for t in task_runs if t["name"].startswith("generate")} == {tuple(gpu_tags)}
     artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [first]}}}).json()
     kinds = {a["type"] for a in artifacts}
     assert {"progress", "table", "markdown"} <= kinds
@@ -173,6 +202,7 @@ def test_deployment_run_records_history_and_resumes(served, first_run):
 ALLOWED_REWARDS = "tests.miles.rollout.rewards_for_tests:fails_on_some_labels"  # digit_match on these labels
 
 
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)  # the flow's check, whatever the database
 def test_a_deployment_run_imports_only_what_the_deployment_allows(served, tmp_path):
     api, env, config_file = served
     params = load_config(config_file, ["num_rollout=1"], run_dir=str(tmp_path / "refused")).model_dump(mode="json")
@@ -196,6 +226,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (.ci/run installs it)")
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
 def test_the_ui_shows_the_flow_run_its_task_runs_and_the_reward_curve(served, first_run, tmp_path):
     from playwright.sync_api import sync_playwright
 

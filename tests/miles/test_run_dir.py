@@ -53,12 +53,35 @@ def test_ledger_record_and_reload(tmp_path):
     ledger.record(0, {"loss": 0.5})
     ledger.record(2, {"loss": 0.25, "reward": 1.0})
     ledger.record(1, {"loss": 0.75})
-    assert ledger.path == tmp_path / "ledger.json"
+    assert ledger.path == tmp_path / "ledger.jsonl"
 
     reloaded = RunDir(tmp_path).ledger()
     assert reloaded.trained == {0: {"loss": 0.5}, 1: {"loss": 0.75}, 2: {"loss": 0.25, "reward": 1.0}}
     assert all(isinstance(k, int) for k in reloaded.trained)
-    assert list(json.loads(ledger.path.read_text())["trained"]) == ["0", "1", "2"]
+    lines = ledger.path.read_text().splitlines()
+    assert [json.loads(line)["rollout_id"] for line in lines] == [0, 2, 1]  # one line appended per record
+
+
+def test_a_ledger_line_cut_short_by_a_crash_leaves_its_rollout_untrained_and_the_next_record_whole(tmp_path):
+    ledger = RunDir(tmp_path).ledger()
+    ledger.record(0, {"loss": 0.5})
+    with ledger.path.open("a") as f:
+        f.write('{"rollout_id": 1, "metr')  # the process died while appending rollout 1
+    assert RunDir(tmp_path).ledger().trained == {0: {"loss": 0.5}}
+
+    resumed = RunDir(tmp_path).ledger()
+    resumed.record(1, {"loss": 0.25})
+    assert RunDir(tmp_path).ledger().trained == {0: {"loss": 0.5}, 1: {"loss": 0.25}}
+
+
+def test_the_ledger_json_of_an_older_run_is_read_and_taken_over(tmp_path):
+    (tmp_path / "ledger.json").write_text(json.dumps({"trained": {"0": {"loss": 0.5}, "1": {"loss": 0.25}}}))
+    ledger = RunDir(tmp_path).ledger()
+    ledger.record(2, {"loss": 0.125})
+    assert RunDir(tmp_path).ledger().trained == {0: {"loss": 0.5}, 1: {"loss": 0.25}, 2: {"loss": 0.125}}
+    assert ledger.forget_after(0) == [1, 2]
+    assert not (tmp_path / "ledger.json").exists()
+    assert RunDir(tmp_path).ledger().trained == {0: {"loss": 0.5}}
 
 
 def test_ledger_record_overwrites(tmp_path):
@@ -95,7 +118,7 @@ def test_layout_names_every_file_and_an_adapter_has_a_run_dir_of_its_own(tmp_pat
     run_dir = RunDir(tmp_path)
     assert run_dir.checkpoint(7) == tmp_path / "checkpoints" / "7"
     assert RolloutStore(run_dir.rollouts).path(3) == tmp_path / "rollouts" / "rollout_3.arrow"
-    assert run_dir.ledger().path == tmp_path / "ledger.json"
+    assert run_dir.ledger().path == tmp_path / "ledger.jsonl"
     adapter = run_dir.adapter("add")
     assert (
         adapter.path == tmp_path / "adapters" / "add"

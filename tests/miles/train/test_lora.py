@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
+from miles.run_dir import RunDir
 from miles.train.algorithms.advantages import grpo
 from miles.train.batch import batch_from_table
 from miles.train.lora import LoRATrainActor, is_adapter_key
@@ -90,9 +91,8 @@ def test_a_repeated_train_call_is_a_no_op_returning_the_recorded_metrics(make_ac
     assert again == first
     _assert_equal_dicts(actor.adapter_weights("a"), after_first)
     # The ledger is the adapter's own: on disk under its run dir, and "b" has not trained rollout 0.
-    ledger = json.loads((Path(views["a"].run_dir) / "ledger.json").read_text())
-    assert list(ledger["trained"]) == ["0"]
-    assert not (Path(views["b"].run_dir) / "ledger.json").exists()
+    assert list(RunDir(views["a"].run_dir).ledger().trained) == [0]
+    assert not RunDir(views["b"].run_dir).ledger().path.exists()
     b0 = actor.adapter_weights("b")
     actor.train("b", 0, rollout)
     assert _changed(actor.adapter_weights("b"), b0)

@@ -1,0 +1,118 @@
+"""The `gpu` tag on `generate` under a tag concurrency limit, on a Prefect server backed by PostgreSQL (or SQLite).
+
+A Prefect server on 127.0.0.1 with its database (`--database postgres`: a fresh cluster from deployments/postgres.py;
+`sqlite`: the server's default), a concurrency limit on the tag (`--limit`, default 1), and one RLRun at the default
+config driven in alternating blocks: the plain loop, the sync flow's tasks, and the same with `generate` tagged
+(each tagged task run takes and releases a slot through the API). Same probe as orchestration_overhead.py.
+
+Last line: `gpu_tag_ratio <tagged flow s/iteration / untagged flow s/iteration>`; the line before it gives both
+flows' overhead ratios against the plain loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+TAG = "gpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(database: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(workdir / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    if database == "postgres":
+        from deployments import postgres
+
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = postgres.start(workdir / "postgres", _free_port())
+    port = _free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=(workdir / "server.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    api = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{api}/health").status_code == 200:
+                return server, api
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the Prefect server did not start: {workdir / 'server.log'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database", choices=["postgres", "sqlite"], default="postgres")
+    parser.add_argument("--limit", type=int, default=1, help="concurrency limit on the tag")
+    parser.add_argument("--iterations", type=int, default=20, help="iterations per block")
+    parser.add_argument("--rounds", type=int, default=2, help="plain + untagged + tagged block triples")
+    args = parser.parse_args()
+
+    # Not under a root-only directory: PostgreSQL runs as its own user when root starts it.
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-tag-", dir="/tmp"))
+    server, api = _start_server(args.database, workdir)
+    try:
+        httpx.post(f"{api}/concurrency_limits/", json={"tag": TAG, "concurrency_limit": args.limit}).raise_for_status()
+        os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=str(workdir / "prefect"))
+        from benchmarks.orchestration_overhead import probe  # imports prefect: after PREFECT_API_URL is set
+        from miles.config import load_config
+        from miles.loop import sync_iteration
+        from miles.run import RLRun
+
+        per_block = args.iterations
+        total = per_block * (3 * args.rounds + 1)
+        config = load_config(None, [], run_dir=str(workdir / "run"), num_rollout=total + 1, save_interval=total + 1)
+        times: dict[str, list[float]] = {"plain": [], "flow": [], "tagged": []}
+        with RLRun(config) as run:
+            ids = iter(run.rollout_ids())
+            sync_iteration(run, next(ids))  # warm the actors
+            probe(run, [next(ids) for _ in range(per_block - 1)], [TAG])  # warm the client and the server
+            for _ in range(args.rounds):
+                for side in times:
+                    block = [next(ids) for _ in range(per_block)]
+                    started = time.perf_counter()
+                    if side == "plain":
+                        for rollout_id in block:
+                            sync_iteration(run, rollout_id)
+                    else:
+                        probe(run, block, [TAG] if side == "tagged" else None)
+                    times[side].append((time.perf_counter() - started) / per_block)
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
+        if args.database == "postgres":
+            from deployments import postgres
+
+            postgres.stop(workdir / "postgres")
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    mean = {side: statistics.mean(values) for side, values in times.items()}
+    print(f"database {args.database}, concurrency limit {args.limit} on {TAG!r}, {per_block} x {args.rounds} per side")
+    for side, values in times.items():
+        print(f"{side:<8} s/iteration {mean[side]:.4f}  (blocks: {', '.join(f'{t:.4f}' for t in values)})")
+    print(f"overhead_ratio untagged {mean['flow'] / mean['plain']:.3f}, tagged {mean['tagged'] / mean['plain']:.3f}")
+    print(f"gpu_tag_ratio {mean['tagged'] / mean['flow']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
