@@ -47,14 +47,18 @@ class TinyModelConfig(_Section):
 
 
 class WarmupConfig(_Section):
-    """Supervised warm-up of the embedded model, so that RL starts from a policy with some signal."""
+    """Supervised warm-up of the embedded model, so that RL starts from a policy with some signal.
+
+    Greedy accuracy climbs from 0.2 to 0.3 within about 50 steps; a frequent check on many prompts stops every
+    machine at about the same model (one check every 50 steps on 200 prompts stopped some at 0.17, others at 0.3,
+    by float rounding, and RL from the weaker start learned too slowly to pass the learning bars reliably)."""
 
     lr: float = Field(3e-3, gt=0)
     batch_size: int = Field(128, gt=0)
-    target_accuracy: float = Field(0.2, ge=0, le=1)
+    target_accuracy: float = Field(0.3, ge=0, le=1)
     max_steps: int = Field(1500, ge=0)
-    eval_every: int = Field(50, gt=0)
-    eval_prompts: int = Field(200, gt=0)
+    eval_every: int = Field(10, gt=0)
+    eval_prompts: int = Field(500, gt=0)
 
 
 class ModelConfig(_Section):

@@ -8,7 +8,7 @@ from prefect.client.schemas.filters import FlowRunFilter
 from flows.async_rl import async_rl
 from miles.run import RLRun
 from miles.run_dir import RunDir
-from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
+from tests.helpers import RECOVERY_RUN, final_weights, relative_distance
 from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
 
 
@@ -88,4 +88,7 @@ def test_async_flow_recovers_from_a_killed_engine_and_a_killed_trainer(
     ]
     assert_same_samples(config.run_dir, reference.run_dir, range(5))
     # An evaluation runs beside the first generation, so batch mates differ from run to run at float rounding.
-    assert max_abs_diff(final_weights(config.run_dir, 4), final_weights(reference.run_dir, 4)) < 1e-5
+    distance = relative_distance(
+        final_weights(config.run_dir, 4), final_weights(reference.run_dir, 4), final_weights(reference.run_dir, 1)
+    )
+    assert distance < 0.02, distance  # rollouts 2..4 are a third each of the way from checkpoint 1

@@ -67,6 +67,19 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def relative_distance(a: dict, b: dict, origin: dict) -> float:
+    """|a - b| / |b - origin| over all parameters: how far apart two runs' weights are, as a share of how far they moved
+    from `origin`. Adam normalises each step, so rounding-level differences in the gradients can move single weights
+    by a good part of the learning rate (a max-abs test is fragile); over the whole model they stay near 1e-3 of the
+    distance travelled, while an optimizer step too many or too few is a sizeable share of it."""
+    import torch
+
+    assert a.keys() == b.keys() == origin.keys()
+    gap = torch.sqrt(sum(((a[k] - b[k]).double() ** 2).sum() for k in a))
+    travelled = torch.sqrt(sum(((b[k] - origin[k]).double() ** 2).sum() for k in b))
+    return float(gap / travelled)
+
+
 def weights_directory(model_dir, weights: dict, directory) -> Path:
     """A model directory an engine loads pushed weights from: `model_dir`'s config and tokenizer files, `weights`
     as safetensors (what the trainer's `write_weights` makes for the disk transport)."""
