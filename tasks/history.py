@@ -44,4 +44,4 @@ def wait_for_task_history(flow_run_id: UUID, timeout_s: float = 60.0) -> int:
             stored = int(client.request("POST", "/task_runs/count", json=query).json())
             if stored >= finished_task_runs(flow_run_id) or time.monotonic() > deadline:
                 return stored
-            time.sleep(0.2)
+            time.sleep(0.05)

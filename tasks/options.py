@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -9,6 +10,24 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.history import count_finished
 from tasks.retries import retry_policy
+
+
+class RoutineTaskRunLogs(logging.Filter):
+    """Drops the INFO lines a task run writes when all goes well: our history hook running and done, and "Finished in
+    state Completed()", which its state in the UI already says. Each was a log row shipped to the API, three per task
+    run. Warnings, errors, retries and every other line stay."""
+
+    ROUTINE = (
+        f"Running hook {count_finished.__name__!r}",
+        f"Hook {count_finished.__name__!r}",
+        "Finished in state Completed(",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno != logging.INFO or not record.getMessage().startswith(self.ROUTINE)
+
+
+logging.getLogger("prefect.task_runs").addFilter(RoutineTaskRunLogs())
 
 
 def task_options(retries: int) -> dict[str, Any]:
