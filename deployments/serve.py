@@ -18,6 +18,7 @@ functions) only in `miles` and in the modules given by --allow-module; anything 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_prefect()
     from prefect import serve
 
+    # Served flow runs inherit this process's environment; a run cannot set it (no work pool, no job variables).
+    os.environ[ALLOWED_MODULES_VARIABLE] = ",".join(args.allowed_modules)
+
     deployments = []
     for name, rl_flow in FLOWS.items():
         config = base.model_copy(update={"run_dir": f"{base.run_dir}-{name}"})
@@ -76,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
                 cron=getattr(args, f"{option}_cron"),
                 tags=["rl", name],
                 concurrency_limit=1,  # one flow run per deployment, so per run directory
-                job_variables={"env": {ALLOWED_MODULES_VARIABLE: ",".join(args.allowed_modules)}},
                 description=f"rl-{name} on {args.config}",
             )
         )

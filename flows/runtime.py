@@ -110,8 +110,10 @@ def check_deployment_imports(config) -> None:
     """A flow run started from a deployment imports only the modules that deployment allows (miles.* always).
 
     Anyone who can reach the API can start a deployment with any parameters, and the config names code by import
-    path; the allow-list is read from the deployment as it was defined (deployments/serve.py --allow-module, or
-    prefect.yaml's job_variables), never from the run's own parameters or job variables. A flow called directly
+    path; the allow-list is what the deployment was defined with, never the run's own parameters or job variables.
+    A work-pool deployment (prefect.yaml) keeps it in its stored job variables (a run's --job-variable reaches the
+    process environment, not that record); a served one (deployments/serve.py --allow-module) in the environment of
+    the serving process, which its flow runs inherit and which a run cannot change. A flow called directly
     (`miles run`, Python) keeps full freedom.
     """
     from prefect.client.orchestration import get_client
@@ -127,6 +129,6 @@ def check_deployment_imports(config) -> None:
         deployment = client.read_deployment(deployment_id)
     check_allowed_modules(
         config.import_paths(),
-        allowed_modules(deployment.job_variables),
+        allowed_modules(deployment.job_variables if deployment.work_pool_name else {"env": os.environ}),
         f"deployment {context.flow.name}/{deployment.name}",
     )
