@@ -54,14 +54,14 @@ def _metrics_ids(run_dir: Path) -> list[int]:
     return [r["rollout_id"] for r in RunDir(run_dir).metrics()]
 
 
-# Rollouts big enough that training one takes a good fraction of a second: the window in which the test freezes
+# Rollouts big enough that training one takes about a second (four passes): the window in which the test freezes
 # the trainer, between rollout 2's metrics line and the end of rollout 3's training.
 BIGGER = [
     "rollout.rollout_batch_size=32",
     "rollout.n_samples_per_prompt=8",
     "train.global_batch_size=128",
     "train.micro_batch_size=32",
-    "train.num_passes=2",
+    "train.num_passes=4",
 ]
 
 
