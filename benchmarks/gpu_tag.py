@@ -14,50 +14,47 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from benchmarks.prefect_server import free_port, prefect_server
+from deployments import postgres
+
 TAG = "gpu"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _measure(api: str, workdir: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Alternating blocks on one RLRun, against the server at `api`: seconds per iteration of each side."""
+    httpx.post(f"{api}/concurrency_limits/", json={"tag": TAG, "concurrency_limit": args.limit}).raise_for_status()
+    os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=str(workdir / "prefect"))
+    from benchmarks.orchestration_overhead import probe  # imports prefect: after PREFECT_API_URL is set
+    from miles.config import load_config
+    from miles.loop import sync_iteration
+    from miles.run import RLRun
 
-
-def _start_server(database: str, workdir: Path) -> tuple[subprocess.Popen, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(workdir / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
-    if database == "postgres":
-        from deployments import postgres
-
-        env["PREFECT_API_DATABASE_CONNECTION_URL"] = postgres.start(workdir / "postgres", _free_port())
-    port = _free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=(workdir / "server.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    api = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{api}/health").status_code == 200:
-                return server, api
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the Prefect server did not start: {workdir / 'server.log'}")
+    per_block = args.iterations
+    total = per_block * (3 * args.rounds + 1)
+    config = load_config(None, [], run_dir=str(workdir / "run"), num_rollout=total + 1, save_interval=total + 1)
+    times: dict[str, list[float]] = {"plain": [], "flow": [], "tagged": []}
+    with RLRun(config) as run:
+        ids = iter(run.rollout_ids())
+        sync_iteration(run, next(ids))  # warm the actors
+        probe(run, [next(ids) for _ in range(per_block - 1)], [TAG])  # warm the client and the server
+        for _ in range(args.rounds):
+            for side in times:
+                block = [next(ids) for _ in range(per_block)]
+                started = time.perf_counter()
+                if side == "plain":
+                    for rollout_id in block:
+                        sync_iteration(run, rollout_id)
+                else:
+                    probe(run, block, [TAG] if side == "tagged" else None)
+                times[side].append((time.perf_counter() - started) / per_block)
+    return times
 
 
 def main() -> None:
@@ -70,42 +67,19 @@ def main() -> None:
 
     # Not under a root-only directory: PostgreSQL runs as its own user when root starts it.
     workdir = Path(tempfile.mkdtemp(prefix="gpu-tag-", dir="/tmp"))
-    server, api = _start_server(args.database, workdir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(workdir / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    if args.database == "postgres":
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = postgres.start(workdir / "postgres", free_port())
     try:
-        httpx.post(f"{api}/concurrency_limits/", json={"tag": TAG, "concurrency_limit": args.limit}).raise_for_status()
-        os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=str(workdir / "prefect"))
-        from benchmarks.orchestration_overhead import probe  # imports prefect: after PREFECT_API_URL is set
-        from miles.config import load_config
-        from miles.loop import sync_iteration
-        from miles.run import RLRun
-
-        per_block = args.iterations
-        total = per_block * (3 * args.rounds + 1)
-        config = load_config(None, [], run_dir=str(workdir / "run"), num_rollout=total + 1, save_interval=total + 1)
-        times: dict[str, list[float]] = {"plain": [], "flow": [], "tagged": []}
-        with RLRun(config) as run:
-            ids = iter(run.rollout_ids())
-            sync_iteration(run, next(ids))  # warm the actors
-            probe(run, [next(ids) for _ in range(per_block - 1)], [TAG])  # warm the client and the server
-            for _ in range(args.rounds):
-                for side in times:
-                    block = [next(ids) for _ in range(per_block)]
-                    started = time.perf_counter()
-                    if side == "plain":
-                        for rollout_id in block:
-                            sync_iteration(run, rollout_id)
-                    else:
-                        probe(run, block, [TAG] if side == "tagged" else None)
-                    times[side].append((time.perf_counter() - started) / per_block)
+        with prefect_server(env, workdir / "server.log") as api:
+            times = _measure(api, workdir, args)
     finally:
-        os.killpg(server.pid, 9)
-        server.wait()
         if args.database == "postgres":
-            from deployments import postgres
-
             postgres.stop(workdir / "postgres")
         shutil.rmtree(workdir, ignore_errors=True)
 
+    per_block = args.iterations
     mean = {side: statistics.mean(values) for side, values in times.items()}
     print(f"database {args.database}, concurrency limit {args.limit} on {TAG!r}, {per_block} x {args.rounds} per side")
     for side, values in times.items():

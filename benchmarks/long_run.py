@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from benchmarks.prefect_server import prefect_server
 
 WINDOW = 200
 SMALL_BATCH = [
@@ -58,36 +57,14 @@ class MemorySampler(threading.Thread):
         return statistics.mean(rss for t, rss in self.samples if start <= t <= end)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ui_task_list_seconds(flow_run_id: str) -> float:
     """Start a Prefect server on this PREFECT_HOME and time the flow run's page until its Task Runs tab lists task
     runs."""
-    import httpx
     from playwright.sync_api import sync_playwright
 
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    ui = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{ui}/api/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    with prefect_server(env, Path(os.environ["PREFECT_HOME"]) / "ui-server.log") as api:
+        ui = api.removesuffix("/api")
         with sync_playwright() as p:
             browser = p.chromium.launch(
                 executable_path=str(CHROMIUM),
@@ -102,10 +79,7 @@ def ui_task_list_seconds(flow_run_id: str) -> float:
                 listed = time.perf_counter() - started
             finally:
                 browser.close()
-        return listed
-    finally:
-        os.killpg(server.pid, 9)
-        server.wait()
+    return listed
 
 
 def main() -> None:

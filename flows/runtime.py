@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 # What the embedded API does per task run, set down to what a user reads (benchmarks/README.md has the profile). By
@@ -100,9 +101,9 @@ RL_FLOW_OPTIONS = {
 ALLOWED_MODULES_VARIABLE = "MILES_ALLOWED_MODULES"
 
 
-def allowed_modules(job_variables: dict) -> list[str]:
-    """The modules a deployment allows: its job variable env.MILES_ALLOWED_MODULES, comma-separated."""
-    text = (job_variables.get("env") or {}).get(ALLOWED_MODULES_VARIABLE, "")
+def allowed_modules(env: Mapping[str, str]) -> list[str]:
+    """The modules MILES_ALLOWED_MODULES allows in `env`, comma-separated."""
+    text = env.get(ALLOWED_MODULES_VARIABLE, "")
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
@@ -129,6 +130,6 @@ def check_deployment_imports(config) -> None:
         deployment = client.read_deployment(deployment_id)
     check_allowed_modules(
         config.import_paths(),
-        allowed_modules(deployment.job_variables if deployment.work_pool_name else {"env": os.environ}),
+        allowed_modules((deployment.job_variables.get("env") or {}) if deployment.work_pool_name else os.environ),
         f"deployment {context.flow.name}/{deployment.name}",
     )
