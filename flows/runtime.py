@@ -13,11 +13,12 @@ from pathlib import Path
 # What the embedded API does per task run, set down to what a user reads (benchmarks/README.md has the profile). By
 # default the task-run recorder writes each task-run event in a transaction of its own: three per task run, ~25 ms of
 # the server's CPU on SQLite. Batched, it writes the same rows in ~4 ms per task run, and the UI shows a state within
-# a second. The event feed repeats those states (~5 ms per task run to store), and automations have nothing to act
-# on in an API that lives as long as one run: neither runs here.
+# a second. The recorder reads its flush interval as whole seconds (`int()`): below 1 it sleeps 0 s and spins a core.
+# The event feed repeats those states (~5 ms per task run to store), and automations have nothing to act on in an API
+# that lives as long as one run: neither runs here.
 EMBEDDED_API_SETTINGS = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "0.25",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
 }
