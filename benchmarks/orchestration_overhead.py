@@ -22,7 +22,7 @@ configure_prefect()
 
 from prefect import flow, runtime  # noqa: E402
 
-from flows.runtime import RL_FLOW_OPTIONS  # noqa: E402
+from flows.runtime import RL_FLOW_OPTIONS, start_ephemeral_api  # noqa: E402
 from miles.config import load_config  # noqa: E402
 from miles.loop import sync_iteration as plain_iteration  # noqa: E402
 from miles.run import RLRun  # noqa: E402
@@ -62,6 +62,7 @@ def main() -> None:
         num_rollout=total + 1,
         save_interval=total + 1,
     )
+    start_ephemeral_api()  # as `miles run` starts it
     with RLRun(config) as run:
         ids = iter(run.rollout_ids())
         plain_iteration(run, next(ids))  # warm the actors

@@ -44,9 +44,13 @@ def start_ephemeral_api() -> None:
     runner) stops it at once while this process still reports the crash through it: "Error logging to API", minutes
     of retries, and a flow run left Running in the UI. Prefect stops the server at exit, after the last logs; on
     Linux the kernel kills it at once when this process is killed outright, as a kill of its group would.
+
+    Flow-run heartbeats go off: they feed automations that find crashed runs, which an API that dies with this
+    process does not run, and a flow run's end waited up to a second for the heartbeat thread's sleep.
     """
     import subprocess
 
+    from prefect.context import GLOBAL_SETTINGS_CONTEXT
     from prefect.server.api import server as api_server
     from prefect.settings import PREFECT_API_URL
 
@@ -81,6 +85,7 @@ def start_ephemeral_api() -> None:
                 api_server.subprocess = subprocess
 
     Server().start()
+    GLOBAL_SETTINGS_CONTEXT.settings.flows.heartbeat_frequency = None  # no environment value means "none"
 
 
 def drain_task_history(flow, flow_run, state) -> None:

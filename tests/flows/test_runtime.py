@@ -14,8 +14,10 @@ from flows.runtime import configure_prefect, start_ephemeral_api
 configure_prefect()
 start_ephemeral_api()
 from prefect.server.api.server import SubprocessASGIServer
+from prefect.settings import get_current_settings
 server = SubprocessASGIServer().server_process
-print(server.pid, os.getpgid(server.pid), os.getpgid(0), flush=True)
+heartbeat = get_current_settings().flows.heartbeat_frequency
+print(server.pid, os.getpgid(server.pid), os.getpgid(0), heartbeat, flush=True)
 sys.stdin.read()
 """
 
@@ -46,8 +48,10 @@ def test_the_ephemeral_api_server_idles_leaves_the_process_group_and_dies_with_i
         [sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )
     try:
-        server_pid, server_group, parent_group = map(int, parent.stdout.readline().split())
+        *pids, heartbeat = parent.stdout.readline().split()
+        server_pid, server_group, parent_group = map(int, pids)
         assert server_group != parent_group  # a signal to the parent's group does not reach the server
+        assert heartbeat == "None"  # no heartbeat thread for a flow run's end to wait on
         # A service that polls in a loop with no sleep (the task-run recorder with a flush interval under 1 s) burns a
         # whole core here, taken from the engine and the trainer.
         time.sleep(2)  # let the services finish starting
