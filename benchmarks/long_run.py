@@ -92,9 +92,10 @@ def main() -> None:
 
     home = Path(tempfile.mkdtemp(prefix="long-run-"))
     os.environ["PREFECT_HOME"] = str(home / "prefect")
-    from flows.runtime import configure_prefect
+    from flows.runtime import configure_prefect, start_ephemeral_api
 
     configure_prefect()
+    start_ephemeral_api()  # as `miles run` starts it
     from flows.sync_rl import sync_rl
     from miles.config import load_config
     from miles.run_dir import RunDir

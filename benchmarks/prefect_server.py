@@ -25,14 +25,14 @@ def free_port() -> int:
 def prefect_server(env: dict[str, str], log: Path) -> Iterator[str]:
     """`prefect server start` with `env` on a free port; yields its API URL once healthy, kills it at the end."""
     port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
     server = subprocess.Popen(
         [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
+        env={**env, "PREFECT_UI_API_URL": api},  # the UI's pages call this API, not the default port 4200
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    api = f"http://127.0.0.1:{port}/api"
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -30,6 +30,8 @@ def configure_prefect(project_dir: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_HOME", str((project_dir or Path.cwd()) / ".prefect"))
     for name, value in EMBEDDED_API_SETTINGS.items():
         os.environ.setdefault(name, value)
+    # A new database's migrations can outlast Prefect's 20 s wait for the embedded API on a small, busy machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "miles")
