@@ -65,19 +65,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="plain + untagged + tagged block triples")
     args = parser.parse_args()
 
-    # Not under a root-only directory: PostgreSQL runs as its own user when root starts it.
-    workdir = Path(tempfile.mkdtemp(prefix="gpu-tag-", dir="/tmp"))
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-tag-"))
+    # Not under workdir, which only its owner may enter: PostgreSQL runs as its own user when root starts it.
+    database_dir = Path(tempfile.mkdtemp(prefix="gpu-tag-postgres-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(workdir / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
     if args.database == "postgres":
-        env["PREFECT_API_DATABASE_CONNECTION_URL"] = postgres.start(workdir / "postgres", free_port())
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = postgres.start(database_dir, free_port())
     try:
         with prefect_server(env, workdir / "server.log") as api:
             times = _measure(api, workdir, args)
     finally:
         if args.database == "postgres":
-            postgres.stop(workdir / "postgres")
-        shutil.rmtree(workdir, ignore_errors=True)
+            postgres.stop(database_dir)
+        for directory in (workdir, database_dir):
+            shutil.rmtree(directory, ignore_errors=True)
 
     per_block = args.iterations
     mean = {side: statistics.mean(values) for side, values in times.items()}

@@ -39,6 +39,9 @@ def configure_prefect(project_dir: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
 
+SERVER_NICENESS = 19
+
+
 def start_ephemeral_api() -> None:
     """Start Prefect's ephemeral API server now, in a session of its own (unless PREFECT_API_URL names a server).
 
@@ -68,6 +71,14 @@ def start_ephemeral_api() -> None:
         def on_parent_exit() -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG; this (the main) thread lives as long as the process
 
+    def prepare_server() -> None:
+        # Bookkeeping yields to the work: Ray starts the engine and trainer workers at nice 15, and a server at 0
+        # took its CPU from them in the middle of their steps. The flow process, which waits on the server only at a
+        # flow run's start and end, keeps its priority.
+        os.setpriority(os.PRIO_PROCESS, 0, SERVER_NICENESS)
+        if on_parent_exit is not None:
+            on_parent_exit()
+
     class NewSession:
         """`subprocess` as Prefect's server launch sees it: Popen starts a session of its own."""
 
@@ -76,7 +87,7 @@ def start_ephemeral_api() -> None:
 
         @staticmethod
         def Popen(*args, **kwargs):
-            return subprocess.Popen(*args, start_new_session=True, preexec_fn=on_parent_exit, **kwargs)
+            return subprocess.Popen(*args, start_new_session=True, preexec_fn=prepare_server, **kwargs)
 
     class Server(api_server.SubprocessASGIServer):  # the singleton that get_client() then finds and reuses
         def _run_uvicorn_command(self):

@@ -1,12 +1,14 @@
 """The CLI's ephemeral API server runs in a session of its own, so that a Ctrl-C to the terminal's process group
 does not stop it before the flow has recorded how it ended, and it dies with the process that started it. At idle it
-leaves the CPU to the engines and the trainer."""
+leaves the CPU to the engines and the trainer, and when they compute it yields to them."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
+
+from flows.runtime import SERVER_NICENESS
 
 SCRIPT = """
 import os, sys
@@ -47,6 +49,7 @@ def test_the_ephemeral_api_server_idles_leaves_the_process_group_and_dies_with_i
         server_pid, server_group, parent_group = map(int, pids)
         assert server_group != parent_group  # a signal to the parent's group does not reach the server
         assert heartbeat == "None"  # no heartbeat thread for a flow run's end to wait on
+        assert os.getpriority(os.PRIO_PROCESS, server_pid) == SERVER_NICENESS  # below the engine and trainer
         # A service that polls in a loop with no sleep (the task-run recorder with a flush interval under 1 s) burns a
         # whole core here, taken from the engine and the trainer.
         time.sleep(2)  # let the services finish starting
