@@ -53,6 +53,8 @@ def start_ephemeral_api() -> None:
     Flow-run heartbeats go off: they feed automations that find crashed runs, which an API that dies with this
     process does not run, and a flow run's end waited up to a second for the heartbeat thread's sleep.
     """
+    import ctypes
+    import signal
     import subprocess
 
     from prefect.context import GLOBAL_SETTINGS_CONTEXT
@@ -61,23 +63,16 @@ def start_ephemeral_api() -> None:
 
     if PREFECT_API_URL.value():
         return
-    on_parent_exit = None
-    if sys.platform == "linux":
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may only call into it
-
-        def on_parent_exit() -> None:
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG; this (the main) thread lives as long as the process
+    # Loaded here: the child may only call into it. PR_SET_PDEATHSIG is Linux's alone.
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
     def prepare_server() -> None:
         # Bookkeeping yields to the work: Ray starts the engine and trainer workers at nice 15, and a server at 0
         # took its CPU from them in the middle of their steps. The flow process, which waits on the server only at a
         # flow run's start and end, keeps its priority.
         os.setpriority(os.PRIO_PROCESS, 0, SERVER_NICENESS)
-        if on_parent_exit is not None:
-            on_parent_exit()
+        if libc is not None:
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG; this (the main) thread lives as long as the process
 
     class NewSession:
         """`subprocess` as Prefect's server launch sees it: Popen starts a session of its own."""
