@@ -22,7 +22,8 @@ configure_prefect()
 from prefect import flow, task  # noqa: E402
 from prefect.server.api.server import SubprocessASGIServer  # noqa: E402
 
-from flows.runtime import RL_FLOW_OPTIONS, start_ephemeral_api  # noqa: E402
+from flows.runtime import start_ephemeral_api  # noqa: E402
+from tasks.history import wait_for_task_history  # noqa: E402
 from tasks.options import task_options  # noqa: E402
 
 
@@ -31,7 +32,7 @@ def noop(i: int) -> dict:
     return {"i": i}
 
 
-@flow(name="task-run-cost", **RL_FLOW_OPTIONS)
+@flow(name="task-run-cost")
 def noops(n: int) -> None:
     for i in range(n):
         noop(i)
@@ -60,7 +61,7 @@ def main() -> None:
     server_ms = []
     for _ in range(args.repeats):
         server, client, started = _server_cpu_s(), _client_cpu_s(), time.perf_counter()
-        noops(args.tasks)
+        wait_for_task_history([noops(args.tasks, return_state=True).state_details.flow_run_id])
         server_ms.append(1000 * (_server_cpu_s() - server) / args.tasks)
         wall = 1000 * (time.perf_counter() - started) / args.tasks
         client_ms = 1000 * (_client_cpu_s() - client) / args.tasks

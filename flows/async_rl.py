@@ -22,13 +22,13 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.report import RunReport
-from flows.runtime import RL_FLOW_OPTIONS, check_deployment_imports
+from flows.runtime import check_deployment_imports
 from miles.config import RunConfig
 from miles.run import RLRun, check_off_policy_correction
 from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_step
 
 
-@flow(name="rl-async", **RL_FLOW_OPTIONS)
+@flow(name="rl-async")
 def async_rl(config: RunConfig) -> dict:
     check_deployment_imports(config)
     check_off_policy_correction(config)

@@ -24,13 +24,13 @@ from prefect import flow
 from prefect.futures import PrefectFuture, as_completed
 
 from flows.report import RunReport
-from flows.runtime import RL_FLOW_OPTIONS, check_deployment_imports
+from flows.runtime import check_deployment_imports
 from miles.config import RunConfig
 from miles.multi_lora import AdapterRun, MultiLoRARun
 from tasks import evaluate, generate, get, push_adapter, retire_adapter, save_checkpoint, train_step
 
 
-@flow(name="rl-multi-lora", **RL_FLOW_OPTIONS)
+@flow(name="rl-multi-lora")
 def multi_lora(config: RunConfig) -> dict:
     check_deployment_imports(config)
     with MultiLoRARun(config) as run:

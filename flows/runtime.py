@@ -96,22 +96,6 @@ def start_ephemeral_api() -> None:
     GLOBAL_SETTINGS_CONTEXT.settings.flows.heartbeat_frequency = None  # no environment value means "none"
 
 
-def drain_task_history(flow, flow_run, state) -> None:
-    """On the flow run's final state: wait until the API holds its whole task history (also after a failure:
-    the failed run's history is what people read)."""
-    from tasks.history import wait_for_task_history
-
-    wait_for_task_history(flow_run.id)
-
-
-# `@flow(name=..., **RL_FLOW_OPTIONS)`: every RL flow leaves its whole history in the API when it ends.
-RL_FLOW_OPTIONS = {
-    "on_completion": [drain_task_history],
-    "on_failure": [drain_task_history],
-    "on_crashed": [drain_task_history],
-}
-
-
 ALLOWED_MODULES_VARIABLE = "MILES_ALLOWED_MODULES"
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.report import RunReport
-from flows.runtime import RL_FLOW_OPTIONS, check_deployment_imports
+from flows.runtime import check_deployment_imports
 from miles.config import RunConfig
 from miles.run import RLRun
 from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_step
 
 
-@flow(name="rl-sync", **RL_FLOW_OPTIONS)
+@flow(name="rl-sync")
 def sync_rl(config: RunConfig) -> dict:
     check_deployment_imports(config)
     with RLRun(config) as run:

@@ -178,10 +178,15 @@ def test_deployment_run_records_history_and_resumes(served, first_run):
     first, params = first_run
     flow_run = httpx.get(f"{api}/flow_runs/{first}").json()
     assert flow_run["state_type"] == "COMPLETED"
-    task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [first]}}}).json()
-    names = {t["name"]: t["state_type"] for t in task_runs}
-    for task in ("generate", "get", "train_step", "sync_weights"):
-        assert names[f"{task}[rollout=0]"] == names[f"{task}[rollout=1]"] == "COMPLETED"
+    expected = {f"{task}[rollout={i}]" for i in (0, 1) for task in ("generate", "get", "train_step", "sync_weights")}
+
+    def all_stored() -> list[dict] | None:  # the server stores task-run states after the flow run has ended
+        task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [first]}}}).json()
+        completed = {t["name"] for t in task_runs if t["state_type"] == "COMPLETED"}
+        return task_runs if expected <= completed else None
+
+    task_runs = _wait(all_stored, 30, "the first run's task runs, completed")
+    names = {t["name"] for t in task_runs}
     assert "generate[rollout=2]" not in names  # iterations_per_run=2: this run stops after rollout 1
     gpu_tags = [env["MILES_GPU_TAG"]] if "MILES_GPU_TAG" in env else []
     assert {tuple(t["tags"]) for t in task_runs if t["name"].startswith("generate")} == {tuple(gpu_tags)}

@@ -1,21 +1,11 @@
 """The rl-async flow: generation of rollout i+1 overlaps training on rollout i, read back from the Prefect API."""
 
-import asyncio
-
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter
-
 from flows.async_rl import async_rl
 from miles.run import RLRun
 from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, relative_distance
 from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
-
-
-async def _task_runs(flow_run_id):
-    async with get_client() as client:
-        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-    return {r.name: r for r in runs}
+from tests.helpers.history import stored_task_runs
 
 
 def _metrics(run_dir):
@@ -26,7 +16,7 @@ def test_generation_of_the_next_rollout_overlaps_training(ray_session, prefect_a
     config = small_config(num_rollout=3)
     state = async_rl(config, return_state=True)
     assert state.is_completed(), state.message
-    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    runs = stored_task_runs(state.state_details.flow_run_id)
 
     assert all(r.state.is_completed() for r in runs.values())
     # + the final checkpoint, the evaluations of the starting and of the final weights
@@ -58,7 +48,7 @@ def test_a_staleness_bound_of_zero_drops_the_stale_rollout_and_says_so(ray_sessi
     assert state.is_failed()
     assert "dropping 8 groups staler than rollout.max_weight_staleness=0" in state.message + str(state.data)
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0]
-    get_1 = asyncio.run(_task_runs(state.state_details.flow_run_id))["get[rollout=1]"]
+    get_1 = stored_task_runs(state.state_details.flow_run_id)["get[rollout=1]"]
     assert get_1.run_count == 1 and get_1.state.is_failed()  # bad input is not retried
 
 
@@ -79,7 +69,7 @@ def test_async_flow_recovers_from_a_killed_engine_and_a_killed_trainer(
     state = async_rl(config, return_state=True)
 
     assert state.is_completed(), state.message
-    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    runs = stored_task_runs(state.state_details.flow_run_id)
     assert runs["generate[rollout=2]"].run_count == 2 and runs["train_step[rollout=3]"].run_count == 2
     assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)

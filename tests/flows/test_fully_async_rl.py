@@ -1,11 +1,6 @@
 """The rl-fully-async flow: generation runs up to rollout.max_rollouts_in_flight rollouts ahead of training, read
 back from the Prefect API and the run directory."""
 
-import asyncio
-
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter
-
 from flows.fully_async_rl import fully_async_rl
 from miles.rollout.schema import rollout_metadata
 from miles.rollout.store import RolloutStore
@@ -13,12 +8,7 @@ from miles.run import RLRun
 from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill
-
-
-async def _task_runs(flow_run_id):
-    async with get_client() as client:
-        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-    return {r.name: r for r in runs}
+from tests.helpers.history import stored_task_runs
 
 
 def _data_ends(run_dir, rollout_ids) -> list[int]:
@@ -30,7 +20,7 @@ def test_generation_runs_ahead_of_training_by_the_window(ray_session, prefect_ap
     config = small_config("rollout.max_rollouts_in_flight=2", num_rollout=4)
     state = fully_async_rl(config, return_state=True)
     assert state.is_completed(), state.message
-    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    runs = stored_task_runs(state.state_details.flow_run_id)
 
     assert all(r.state.is_completed() for r in runs.values())
     assert state.result()["task_runs"] == len(runs) == 4 * 4 + 3  # + the final checkpoint and two evaluations
@@ -60,7 +50,7 @@ def test_fully_async_flow_recovers_from_a_killed_engine_and_a_killed_trainer(
     state = fully_async_rl(config, return_state=True)
 
     assert state.is_completed(), state.message
-    runs = asyncio.run(_task_runs(state.state_details.flow_run_id))
+    runs = stored_task_runs(state.state_details.flow_run_id)
     assert runs["generate[rollout=2]"].run_count == 2 and runs["train_step[rollout=3]"].run_count == 2
     assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert [m["rollout_id"] for m in RunDir(config.run_dir).metrics()] == [0, 1, 2, 3, 4]  # each trained once

@@ -1,13 +1,12 @@
 """The rl-multi-lora flow on the tiny model: adapters trained concurrently, retirement, PEFT checkpoints, resume."""
 
-import asyncio
 import json
 from pathlib import Path
 
 import pyarrow as pa
 from peft import PeftConfig
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
+from prefect.client.schemas.filters import ArtifactFilter
 from safetensors.torch import load_file
 
 from flows.multi_lora import multi_lora
@@ -16,6 +15,7 @@ from miles.multi_lora import AdapterRun
 from miles.run_dir import RunDir
 from tests.helpers import max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
+from tests.helpers.history import stored_task_runs
 
 ADAPTERS = [
     "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 3, rollout_batch_size: 4,"
@@ -25,10 +25,10 @@ ADAPTERS = [
 ]
 
 
-async def _history(flow_run_id):
-    async with get_client() as client:
-        task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-        artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+def _history(flow_run_id):
+    task_runs = list(stored_task_runs(flow_run_id).values())
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
     return task_runs, artifacts
 
 
@@ -44,7 +44,7 @@ def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_
     summary = state.result()
     assert {name: s["rollouts_trained"] for name, s in summary.items()} == {"add": 3, "sub": 2}
 
-    task_runs, artifacts = asyncio.run(_history(state.state_details.flow_run_id))
+    task_runs, artifacts = _history(state.state_details.flow_run_id)
     names = {r.name for r in task_runs}
     for adapter, steps in (("add", 3), ("sub", 2)):
         for i in range(steps):
@@ -139,7 +139,7 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     state = multi_lora(config, return_state=True)
 
     assert state.is_completed(), state.message
-    task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+    task_runs, _ = _history(state.state_details.flow_run_id)
     retried = {r.name for r in task_runs if r.run_count == 2}
     # The engine dies as sub's generate(1) starts, the shared trainer as add's train_step(2) starts. Their calls
     # fail and are retried, and so is any other adapter's call on the same actor in flight then (an evaluation on

@@ -1,6 +1,5 @@
 """The rl-sync flow end to end on the tiny model, read back from the Prefect API."""
 
-import asyncio
 import base64
 import json
 import os
@@ -12,7 +11,7 @@ from pathlib import Path
 import httpx
 import ray
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
+from prefect.client.schemas.filters import ArtifactFilter
 
 from flows.sync_rl import sync_rl
 from miles.rollout.inference_controller import InferenceController
@@ -21,15 +20,16 @@ from miles.run import RLRun
 from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill, sglang_server_pid
+from tests.helpers.history import stored_task_runs
 
 CALCULATOR = ["data.task=sums", "rollout.env=calculator", "rollout.max_new_tokens=12", "eval.datasets=[]"]
 
 
-async def _history(flow_run_id):
-    async with get_client() as client:
-        task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
-        artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
-        flow_run = await client.read_flow_run(flow_run_id)
+def _history(flow_run_id):
+    task_runs = list(stored_task_runs(flow_run_id).values())
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+        flow_run = client.read_flow_run(flow_run_id)
     return flow_run, task_runs, artifacts
 
 
@@ -47,7 +47,7 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
         (2, 2, 20),
     ]
 
-    flow_run, task_runs, artifacts = asyncio.run(_history(state.state_details.flow_run_id))
+    flow_run, task_runs, artifacts = _history(state.state_details.flow_run_id)
     assert flow_run.flow_id is not None and flow_run.state.is_completed()
     names = {r.name: r for r in task_runs}
     expected = [f"{task}[rollout={i}]" for i in (0, 1) for task in ("generate", "get", "train_step", "sync_weights")]
@@ -90,7 +90,7 @@ def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
 
     assert state.is_completed(), state.message
     assert [i for i, _ in engine_killed] == [2] and [i for i, _ in trainer_killed] == [3]
-    _, task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+    _, task_runs, _ = _history(state.state_details.flow_run_id)
     runs = {r.name: r for r in task_runs}
     assert runs["generate[rollout=2]"].run_count == 2 and runs["train_step[rollout=3]"].run_count == 2
     assert all(r.state.is_completed() for r in task_runs)
@@ -113,7 +113,7 @@ def test_a_killed_trainer_worker_takes_its_group_down_and_the_retry_restarts_the
 
     assert state.is_completed(), state.message
     assert [i for i, _ in worker_killed] == [3]
-    _, task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+    _, task_runs, _ = _history(state.state_details.flow_run_id)
     assert {r.name: r for r in task_runs}["train_step[rollout=3]"].run_count == 2
     assert sum(r.run_count for r in task_runs) == len(task_runs) + 1  # no other retries
     assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
@@ -146,7 +146,7 @@ def test_the_sglang_engine_runs_the_flow_and_a_killed_server_is_replaced(
 
     assert state.is_completed(), state.message
     assert [i for i, _ in server_killed] == [2] and [i for i, _ in died_receiving] == [3]
-    _, task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+    _, task_runs, _ = _history(state.state_details.flow_run_id)
     runs = {r.name: r for r in task_runs}
     assert runs["generate[rollout=2]"].run_count == 2 and runs["sync_weights[rollout=3]"].run_count == 2
     assert sum(r.run_count for r in task_runs) == len(task_runs) + 2  # no other retries
@@ -204,7 +204,7 @@ def test_episodes_run_through_the_flow_on_either_engine_and_an_engine_killed_mid
 
         assert state.is_completed(), state.message
         assert killed
-        _, task_runs, _ = asyncio.run(_history(state.state_details.flow_run_id))
+        _, task_runs, _ = _history(state.state_details.flow_run_id)
         retried = {r.name for r in task_runs if r.run_count > 1}
         assert retried == {"generate[rollout=1]"}, retried
         assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1]

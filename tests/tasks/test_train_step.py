@@ -1,13 +1,11 @@
 """train_step under Prefect retries: a retry of a trained rollout returns its metrics and does not step."""
 
-import asyncio
-
 import torch
 from prefect import flow
-from prefect.client.orchestration import get_client
 
 from miles.run import RLRun
 from tasks import generate, get, train_step
+from tests.helpers.history import stored_task_runs
 
 
 def test_retried_train_step_does_not_step_again(ray_session, prefect_api, small_config, monkeypatch):
@@ -39,11 +37,5 @@ def test_retried_train_step_does_not_step_again(ray_session, prefect_api, small_
     assert any(not torch.equal(initial_weights[k], weights_after_first_attempt[k]) for k in initial_weights)
     assert all(torch.equal(final_weights[k], weights_after_first_attempt[k]) for k in final_weights)
 
-    async def train_step_run():
-        async with get_client() as client:
-            runs = await client.read_task_runs()
-            flow_run_id = state.state_details.flow_run_id
-            return next(r for r in runs if r.flow_run_id == flow_run_id and r.name == "train_step[rollout=0]")
-
-    task_run = asyncio.run(train_step_run())
+    task_run = stored_task_runs(state.state_details.flow_run_id)["train_step[rollout=0]"]
     assert task_run.run_count == 2 and task_run.state.is_completed()

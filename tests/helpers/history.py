@@ -1,0 +1,20 @@
+"""The Prefect API's record of a flow run that ran in this process, read once the API has stored its task history
+(the server stores task-run states asynchronously; a flow run ends without waiting for that)."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter
+from prefect.client.schemas.objects import TaskRun
+
+from tasks.history import wait_for_task_history
+
+
+def stored_task_runs(flow_run_id: UUID) -> dict[str, TaskRun]:
+    """By task-run name."""
+    wait_for_task_history([flow_run_id])
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [str(flow_run_id)]}))
+    return {r.name: r for r in runs}
