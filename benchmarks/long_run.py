@@ -99,6 +99,7 @@ def main() -> None:
     from flows.sync_rl import sync_rl
     from miles.config import load_config
     from miles.run_dir import RunDir
+    from tasks.history import wait_for_task_history
 
     config = load_config(None, SMALL_BATCH + args.overrides, run_dir=str(home / "run"), num_rollout=args.iterations)
     sampler = MemorySampler()
@@ -106,6 +107,7 @@ def main() -> None:
     state = sync_rl(config, return_state=True)
     sampler.stopped.set()
     assert state.is_completed(), state.message
+    wait_for_task_history()  # as at exit: the database and the UI below then hold the whole run
 
     ends = [record["finished_at"] for record in RunDir(config.run_dir).metrics()]
     first = (ends[WINDOW] - ends[0]) / WINDOW
