@@ -25,21 +25,22 @@ logger = logging.getLogger(__name__)
 
 _finished: Counter[UUID] = Counter()
 _finished_lock = threading.Lock()  # concurrent task runs finish in the task runner's threads
-_waits_at_exit = False
+_exit_wait_decided = False  # whether this process owns its API is settled by its first task run
 
 FINISHED_STATES = ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]
 
 
 def count_finished(task, task_run, state) -> None:
     """On a task run's final state (completed, or failed past its retries)."""
-    global _waits_at_exit
+    global _exit_wait_decided
     with _finished_lock:
         _finished[task_run.flow_run_id] += 1
-        if not _waits_at_exit and not PREFECT_API_URL.value():
-            # Prefect registered the embedded API's stop when it started it, before this first task run ended; exit
-            # hooks run last-registered first, after Prefect's event and log workers have sent what they hold.
-            atexit.register(wait_for_task_history)
-            _waits_at_exit = True
+        if not _exit_wait_decided:
+            _exit_wait_decided = True
+            if not PREFECT_API_URL.value():
+                # Prefect registered the embedded API's stop when it started it, before this first task run ended;
+                # exit hooks run last-registered first, after Prefect's event and log workers sent what they hold.
+                atexit.register(wait_for_task_history)
 
 
 def finished_task_runs(flow_run_id: UUID | str) -> int:
