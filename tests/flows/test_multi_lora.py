@@ -25,13 +25,6 @@ ADAPTERS = [
 ]
 
 
-def _history(flow_run_id):
-    task_runs = list(stored_task_runs(flow_run_id).values())
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
-    return task_runs, artifacts
-
-
 def _metrics(path: Path) -> list[dict]:
     return RunDir(path.parent).metrics()
 
@@ -44,8 +37,9 @@ def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_
     summary = state.result()
     assert {name: s["rollouts_trained"] for name, s in summary.items()} == {"add": 3, "sub": 2}
 
-    task_runs, artifacts = _history(state.state_details.flow_run_id)
-    names = {r.name for r in task_runs}
+    flow_run_id = state.state_details.flow_run_id
+    runs = stored_task_runs(flow_run_id)
+    names = set(runs)
     for adapter, steps in (("add", 3), ("sub", 2)):
         for i in range(steps):
             assert {f"{t}[{adapter}, rollout={i}]" for t in ("generate", "get", "train_step")} <= names
@@ -63,7 +57,9 @@ def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_
             (expected, adapter, 0, 0),
             (expected, adapter, steps, steps),
         ]
-    assert all(r.state.is_completed() for r in task_runs)
+    assert all(r.state.is_completed() for r in runs.values())
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
     keys = {a.key for a in artifacts}
     assert {
         "rl-multi-lora-add-progress",
@@ -139,8 +135,8 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     state = multi_lora(config, return_state=True)
 
     assert state.is_completed(), state.message
-    task_runs, _ = _history(state.state_details.flow_run_id)
-    retried = {r.name for r in task_runs if r.run_count == 2}
+    runs = stored_task_runs(state.state_details.flow_run_id)
+    retried = {name for name, r in runs.items() if r.run_count == 2}
     # The engine dies as sub's generate(1) starts, the shared trainer as add's train_step(2) starts. Their calls
     # fail and are retried, and so is any other adapter's call on the same actor in flight then (an evaluation on
     # the engine; a push or a checkpoint reading the trainer); a call still queued behind a failed one finds the
@@ -149,8 +145,8 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     assert any(name.startswith(("generate[", "evaluate[", "push_adapter[")) for name in retried), retried
     on_actors = ("generate[", "evaluate[", "train_step[", "push_adapter[", "save_checkpoint[")
     assert all(name.startswith(on_actors) for name in retried), retried
-    assert all(r.run_count <= 2 for r in task_runs)
-    assert all(r.state.is_completed() for r in task_runs)
+    assert all(r.run_count <= 2 for r in runs.values())
+    assert all(r.state.is_completed() for r in runs.values())
     for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):
         adapter_dir = Path(config.run_dir) / "adapters" / adapter
         assert sorted(RunDir(adapter_dir).ledger().trained) == list(range(steps))

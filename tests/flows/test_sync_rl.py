@@ -25,14 +25,6 @@ from tests.helpers.history import stored_task_runs
 CALCULATOR = ["data.task=sums", "rollout.env=calculator", "rollout.max_new_tokens=12", "eval.datasets=[]"]
 
 
-def _history(flow_run_id):
-    task_runs = list(stored_task_runs(flow_run_id).values())
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
-        flow_run = client.read_flow_run(flow_run_id)
-    return flow_run, task_runs, artifacts
-
-
 def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_config):
     config = small_config(
         "eval.interval=1", "eval.datasets=[{name: sums, task: addition, max_prompts: 20}]", num_rollout=2
@@ -47,13 +39,16 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
         (2, 2, 20),
     ]
 
-    flow_run, task_runs, artifacts = _history(state.state_details.flow_run_id)
+    flow_run_id = state.state_details.flow_run_id
+    names = stored_task_runs(flow_run_id)
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
+        flow_run = client.read_flow_run(flow_run_id)
     assert flow_run.flow_id is not None and flow_run.state.is_completed()
-    names = {r.name: r for r in task_runs}
     expected = [f"{task}[rollout={i}]" for i in (0, 1) for task in ("generate", "get", "train_step", "sync_weights")]
     evaluations = {f"evaluate[rollout={i}]" for i in (0, 1, 2)}
     assert set(expected) | {"save_checkpoint[rollout=1]"} | evaluations == set(names)
-    assert all(r.state.is_completed() for r in task_runs)
+    assert all(r.state.is_completed() for r in names.values())
     # Each evaluation runs on the weights the engines hold before that rollout is generated.
     for i in (0, 1):
         assert names[f"evaluate[rollout={i}]"].end_time <= names[f"generate[rollout={i}]"].start_time
@@ -90,11 +85,10 @@ def test_a_killed_engine_and_a_killed_trainer_are_recovered_by_task_retries(
 
     assert state.is_completed(), state.message
     assert [i for i, _ in engine_killed] == [2] and [i for i, _ in trainer_killed] == [3]
-    _, task_runs, _ = _history(state.state_details.flow_run_id)
-    runs = {r.name: r for r in task_runs}
+    runs = stored_task_runs(state.state_details.flow_run_id)
     assert runs["generate[rollout=2]"].run_count == 2 and runs["train_step[rollout=3]"].run_count == 2
-    assert all(r.state.is_completed() for r in task_runs)
-    assert sum(r.run_count for r in task_runs) == len(task_runs) + 2  # no other retries
+    assert all(r.state.is_completed() for r in runs.values())
+    assert sum(r.run_count for r in runs.values()) == len(runs) + 2  # no other retries
     assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
     # fp32 on the CPU, same seeds: every rollout applied exactly once gives the uninterrupted run's weights.
@@ -113,9 +107,9 @@ def test_a_killed_trainer_worker_takes_its_group_down_and_the_retry_restarts_the
 
     assert state.is_completed(), state.message
     assert [i for i, _ in worker_killed] == [3]
-    _, task_runs, _ = _history(state.state_details.flow_run_id)
-    assert {r.name: r for r in task_runs}["train_step[rollout=3]"].run_count == 2
-    assert sum(r.run_count for r in task_runs) == len(task_runs) + 1  # no other retries
+    runs = stored_task_runs(state.state_details.flow_run_id)
+    assert runs["train_step[rollout=3]"].run_count == 2
+    assert sum(r.run_count for r in runs.values()) == len(runs) + 1  # no other retries
     assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     gap = max_abs_diff(final_weights(config.run_dir, 4), uninterrupted_weights)
     print(f"2 workers, one killed, vs 1 worker uninterrupted: {gap:.2e}")
@@ -146,10 +140,9 @@ def test_the_sglang_engine_runs_the_flow_and_a_killed_server_is_replaced(
 
     assert state.is_completed(), state.message
     assert [i for i, _ in server_killed] == [2] and [i for i, _ in died_receiving] == [3]
-    _, task_runs, _ = _history(state.state_details.flow_run_id)
-    runs = {r.name: r for r in task_runs}
+    runs = stored_task_runs(state.state_details.flow_run_id)
     assert runs["generate[rollout=2]"].run_count == 2 and runs["sync_weights[rollout=3]"].run_count == 2
-    assert sum(r.run_count for r in task_runs) == len(task_runs) + 2  # no other retries
+    assert sum(r.run_count for r in runs.values()) == len(runs) + 2  # no other retries
     assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1, 2, 3, 4]
     assert_whole_rollouts(config.run_dir, range(5), config.samples_per_rollout)
     # The stand-in samples with the same seeded TorchEngine: the run trains exactly as the torch-engine run does.
@@ -204,8 +197,8 @@ def test_episodes_run_through_the_flow_on_either_engine_and_an_engine_killed_mid
 
         assert state.is_completed(), state.message
         assert killed
-        _, task_runs, _ = _history(state.state_details.flow_run_id)
-        retried = {r.name for r in task_runs if r.run_count > 1}
+        runs = stored_task_runs(state.state_details.flow_run_id)
+        retried = {name for name, r in runs.items() if r.run_count > 1}
         assert retried == {"generate[rollout=1]"}, retried
         assert sorted(RunDir(config.run_dir).ledger().trained) == [0, 1]
         assert_whole_rollouts(config.run_dir, range(2), config.samples_per_rollout)
