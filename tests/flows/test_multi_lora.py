@@ -5,8 +5,6 @@ from pathlib import Path
 
 import pyarrow as pa
 from peft import PeftConfig
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter
 from safetensors.torch import load_file
 
 from flows.multi_lora import multi_lora
@@ -15,7 +13,7 @@ from miles.multi_lora import AdapterRun
 from miles.run_dir import RunDir
 from tests.helpers import max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
-from tests.helpers.history import stored_task_runs
+from tests.helpers.history import flow_run_artifacts, stored_task_runs
 
 ADAPTERS = [
     "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 3, rollout_batch_size: 4,"
@@ -58,9 +56,7 @@ def test_two_adapters_train_concurrently_retire_and_resume(ray_session, prefect_
             (expected, adapter, steps, steps),
         ]
     assert all(r.state.is_completed() for r in runs.values())
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
-    keys = {a.key for a in artifacts}
+    keys = {a.key for a in flow_run_artifacts(flow_run_id)}
     assert {
         "rl-multi-lora-add-progress",
         "rl-multi-lora-sub-progress",

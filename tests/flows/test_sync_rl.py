@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import ray
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter
 
 from flows.sync_rl import sync_rl
 from miles.rollout.inference_controller import InferenceController
@@ -20,7 +19,7 @@ from miles.run import RLRun
 from miles.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill, sglang_server_pid
-from tests.helpers.history import stored_task_runs
+from tests.helpers.history import flow_run_artifacts, stored_task_runs
 
 CALCULATOR = ["data.task=sums", "rollout.env=calculator", "rollout.max_new_tokens=12", "eval.datasets=[]"]
 
@@ -40,19 +39,19 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
     ]
 
     flow_run_id = state.state_details.flow_run_id
-    names = stored_task_runs(flow_run_id)
+    runs = stored_task_runs(flow_run_id)
+    artifacts = flow_run_artifacts(flow_run_id)
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [flow_run_id]}))
         flow_run = client.read_flow_run(flow_run_id)
     assert flow_run.flow_id is not None and flow_run.state.is_completed()
     expected = [f"{task}[rollout={i}]" for i in (0, 1) for task in ("generate", "get", "train_step", "sync_weights")]
     evaluations = {f"evaluate[rollout={i}]" for i in (0, 1, 2)}
-    assert set(expected) | {"save_checkpoint[rollout=1]"} | evaluations == set(names)
-    assert all(r.state.is_completed() for r in names.values())
+    assert set(expected) | {"save_checkpoint[rollout=1]"} | evaluations == set(runs)
+    assert all(r.state.is_completed() for r in runs.values())
     # Each evaluation runs on the weights the engines hold before that rollout is generated.
     for i in (0, 1):
-        assert names[f"evaluate[rollout={i}]"].end_time <= names[f"generate[rollout={i}]"].start_time
-    assert names["sync_weights[rollout=1]"].end_time <= names["evaluate[rollout=2]"].start_time
+        assert runs[f"evaluate[rollout={i}]"].end_time <= runs[f"generate[rollout={i}]"].start_time
+    assert runs["sync_weights[rollout=1]"].end_time <= runs["evaluate[rollout=2]"].start_time
     assert {a.type for a in artifacts} >= {"progress", "table", "markdown"}
     summary = next(a for a in artifacts if a.type == "markdown").data
     image = re.search(r"!\[reward curve of run\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", summary)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter
-from prefect.client.schemas.objects import TaskRun
+from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter
+from prefect.client.schemas.objects import Artifact, TaskRun
 
 from tasks.history import wait_for_task_history
 
@@ -18,3 +18,9 @@ def stored_task_runs(flow_run_id: UUID) -> dict[str, TaskRun]:
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [str(flow_run_id)]}))
     return {r.name: r for r in runs}
+
+
+def flow_run_artifacts(flow_run_id: UUID) -> list[Artifact]:
+    """Artifacts are written through the API as the flow creates them: no wait for the task history."""
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [str(flow_run_id)]}))
