@@ -20,6 +20,11 @@ def stored_task_runs(flow_run_id: UUID) -> dict[str, TaskRun]:
     return {r.name: r for r in runs}
 
 
+def retried_task_runs(runs: dict[str, TaskRun]) -> dict[str, int]:
+    """The task runs that ran more than once, with their run counts: a failed check names every retry."""
+    return {name: r.run_count for name, r in runs.items() if r.run_count > 1}
+
+
 def flow_run_artifacts(flow_run_id: UUID) -> list[Artifact]:
     """Artifacts are written through the API as the flow creates them: no wait for the task history."""
     with get_client(sync_client=True) as client:
