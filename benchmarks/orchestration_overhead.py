@@ -141,9 +141,14 @@ def main() -> None:
     print(f"prefect flow s/iteration  {flowed:.4f}  (blocks: {', '.join(f'{t:.4f}' for t in flow_times)})")
     print(f"history wait at exit s    {history_wait:.3f}  (once, in the flow side's mean)")
     print(f"per-task overhead ms      {per_task_ms:.1f}")
-    print(
-        f"pair ratios               {', '.join(f'{f / p:.3f}' for p, f in zip(plain_times, flow_times, strict=True))}"
+    pair_ratios = [f / p for p, f in zip(plain_times, flow_times, strict=True)]
+    spread = (
+        f"  (mean {statistics.mean(pair_ratios):.3f}, standard error "
+        f"{statistics.stdev(pair_ratios) / len(pair_ratios) ** 0.5:.3f})"
+        if len(pair_ratios) > 1
+        else ""
     )
+    print(f"pair ratios               {', '.join(f'{r:.3f}' for r in pair_ratios)}{spread}")
     print("ms per iteration          plain    flow   flow - plain")
     for part, meaning in [
         ("inside", "in the RLRun calls"),

@@ -13,7 +13,7 @@ from miles.multi_lora import AdapterRun
 from miles.run_dir import RunDir
 from tests.helpers import max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
-from tests.helpers.history import flow_run_artifacts, stored_task_runs
+from tests.helpers.history import flow_run_artifacts, retried_task_runs, stored_task_runs
 
 ADAPTERS = [
     "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 3, rollout_batch_size: 4,"
@@ -132,7 +132,7 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
 
     assert state.is_completed(), state.message
     runs = stored_task_runs(state.state_details.flow_run_id)
-    retried = {name for name, r in runs.items() if r.run_count == 2}
+    retried = retried_task_runs(runs)
     # The engine dies as sub's generate(1) starts, the shared trainer as add's train_step(2) starts. Their calls
     # fail and are retried, and so is any other adapter's call on the same actor in flight then (an evaluation on
     # the engine; a push or a checkpoint reading the trainer); a call still queued behind a failed one finds the
@@ -141,7 +141,7 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
     assert any(name.startswith(("generate[", "evaluate[", "push_adapter[")) for name in retried), retried
     on_actors = ("generate[", "evaluate[", "train_step[", "push_adapter[", "save_checkpoint[")
     assert all(name.startswith(on_actors) for name in retried), retried
-    assert all(r.run_count <= 2 for r in runs.values())
+    assert set(retried.values()) == {2}, retried
     assert all(r.state.is_completed() for r in runs.values())
     for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):
         adapter_dir = Path(config.run_dir) / "adapters" / adapter
