@@ -43,8 +43,8 @@ def full_tensor_buckets(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The model's parameters and buffers whole, on `device`, a bucket of at most `bucket_bytes` at a time (a tensor
     larger than that is a bucket of its own). With `copy` false, an unsharded tensor already on `device` is the
-    model's own (for a caller that only reads it before the next step). A bucket's gathers run together; only one bucket of full tensors is on
-    the model's device at once. With a sharded model every rank must iterate: each gather is a collective."""
+    model's own (for a caller that only reads it before the next step). On the GPU a bucket's gathers run together;
+    only one bucket of full tensors is on the model's device at once. With a sharded model every rank must iterate: each gather is a collective."""
     for bucket in _buckets(model, bucket_bytes):
         yield _gathered(bucket, device, copy)
 
@@ -74,14 +74,18 @@ def _gathered(
     pending = [
         (
             name,
-            value.redistribute(placements=[Replicate()] * value.device_mesh.ndim, async_op=True).to_local(),
+            value.redistribute(
+                placements=[Replicate()] * value.device_mesh.ndim, async_op=value.device.type != "cpu"
+            ).to_local(),
             True,
         )
         if isinstance(value, DTensor)
         else (name, value, False)
         for name, value in bucket
     ]
-    # A gathered tensor is still in flight until read: the copy waits for it. A plain tensor is the model's own.
+    # On the GPU a gathered tensor is still in flight until read: the copy waits for it. On the CPU (gloo) each gather
+    # finishes before the next starts: several in flight at once corrupted the heap (glibc "unaligned tcache chunk",
+    # SIGABRT) within seconds in a loop of full_state_dict over two ranks. A plain tensor is the model's own.
     return {name: value.detach().to(device, copy=copy or gathered) for name, value, gathered in pending}
 
 
