@@ -44,7 +44,8 @@ def full_tensor_buckets(
     """The model's parameters and buffers whole, on `device`, a bucket of at most `bucket_bytes` at a time (a tensor
     larger than that is a bucket of its own). With `copy` false, an unsharded tensor already on `device` is the
     model's own (for a caller that only reads it before the next step). On the GPU a bucket's gathers run together;
-    only one bucket of full tensors is on the model's device at once. With a sharded model every rank must iterate: each gather is a collective."""
+    only one bucket of full tensors is on the model's device at once. With a sharded model every rank must iterate:
+    each gather is a collective."""
     for bucket in _buckets(model, bucket_bytes):
         yield _gathered(bucket, device, copy)
 
