@@ -38,6 +38,27 @@ def test_async_rewards_run_concurrently_within_the_limit():
     assert time.monotonic() - started < 0.05 * 16 / 2 + 0.3
 
 
+def test_plain_rewards_run_concurrently_within_the_limit():
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def remote_check(response: str, label: str, finished: bool) -> float:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+        return exact_match(response, label, finished)
+
+    started = time.monotonic()
+    rewards, failures = RewardScorer(remote_check, 5, 3).score(RESPONSES * 3, LABELS * 3, FINISHED * 3)
+    assert rewards == [1.0, 0.0, 1.0, 0.0] * 3 and not failures
+    assert most == 3  # data.reward_concurrency
+    assert time.monotonic() - started < 0.05 * 12 / 3 + 0.3
+
+
 class _Verifier:
     def __init__(self, answer):
         self.answer = answer
@@ -93,6 +114,26 @@ def test_a_slow_reward_fails_its_samples_only_and_is_not_waited_for():
         assert rewards == [1.0 if i != stuck else None for i in range(4)]
         assert failures == [(stuck, "timed out after 0.3 s (data.reward_timeout_s)")]
     assert time.monotonic() - started < 3
+    release.set()
+
+
+def test_a_stuck_call_hands_the_rest_of_the_rollout_to_a_new_worker():
+    """One call in flight at a time: the stuck call's thread is left behind and a new one scores the samples after it."""
+    release = threading.Event()
+
+    def stuck_on_the_second(response: str, label: str, finished: bool) -> float:
+        if response == "2":
+            release.wait(10)
+        return exact_match(response, label, finished)
+
+    started = time.monotonic()
+    rewards, failures = RewardScorer(stuck_on_the_second, 0.3, 1).score(RESPONSES * 2, LABELS * 2, FINISHED * 2)
+    assert rewards == [1.0, None, 1.0, 0.0, 1.0, None, 1.0, 0.0]
+    assert failures == [
+        (1, "timed out after 0.3 s (data.reward_timeout_s)"),
+        (5, "timed out after 0.3 s (data.reward_timeout_s)"),
+    ]
+    assert time.monotonic() - started < 2
     release.set()
 
 
