@@ -20,43 +20,51 @@ def test_a_plain_reward_scores_each_sample():
     assert RewardScorer(exact_match, 5, 4).score(RESPONSES, LABELS, FINISHED) == ([1.0, 0.0, 1.0, 0.0], [])
 
 
-def test_async_rewards_run_concurrently_within_the_limit():
-    running, most = 0, 0
+class _InFlight:
+    """Counts the reward calls in flight, and the most at once."""
 
-    async def remote_check(response: str, label: str, finished: bool) -> float:
-        nonlocal running, most
-        running += 1
-        most = max(most, running)
-        await asyncio.sleep(0.05)
-        running -= 1
+    def __init__(self):
+        self.running = self.most = 0
+        self.lock = threading.Lock()
+
+    def __enter__(self):
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.running -= 1
+
+
+def _slow_check(kind: str, in_flight: _InFlight):
+    """A reward that takes 0.05 s, as a remote verifier would: plain (a thread waits) or async."""
+    if kind == "async":
+
+        async def remote_check(response: str, label: str, finished: bool) -> float:
+            with in_flight:
+                await asyncio.sleep(0.05)
+            return exact_match(response, label, finished)
+
+        return remote_check
+
+    def blocking_check(response: str, label: str, finished: bool) -> float:
+        with in_flight:
+            time.sleep(0.05)
         return exact_match(response, label, finished)
 
+    return blocking_check
+
+
+@pytest.mark.parametrize("kind", ["plain", "async"])
+def test_rewards_run_concurrently_within_the_limit(kind):
+    in_flight = _InFlight()
     started = time.monotonic()
-    rewards, failures = RewardScorer(remote_check, 5, 2).score(RESPONSES * 4, LABELS * 4, FINISHED * 4)
+    scorer = RewardScorer(_slow_check(kind, in_flight), 5, 2)
+    rewards, failures = scorer.score(RESPONSES * 4, LABELS * 4, FINISHED * 4)
     assert rewards == [1.0, 0.0, 1.0, 0.0] * 4 and not failures
-    assert most == 2  # data.reward_concurrency
+    assert in_flight.most == 2  # data.reward_concurrency
     assert time.monotonic() - started < 0.05 * 16 / 2 + 0.3
-
-
-def test_plain_rewards_run_concurrently_within_the_limit():
-    running, most = 0, 0
-    lock = threading.Lock()
-
-    def remote_check(response: str, label: str, finished: bool) -> float:
-        nonlocal running, most
-        with lock:
-            running += 1
-            most = max(most, running)
-        time.sleep(0.05)
-        with lock:
-            running -= 1
-        return exact_match(response, label, finished)
-
-    started = time.monotonic()
-    rewards, failures = RewardScorer(remote_check, 5, 3).score(RESPONSES * 3, LABELS * 3, FINISHED * 3)
-    assert rewards == [1.0, 0.0, 1.0, 0.0] * 3 and not failures
-    assert most == 3  # data.reward_concurrency
-    assert time.monotonic() - started < 0.05 * 12 / 3 + 0.3
 
 
 class _Verifier:
