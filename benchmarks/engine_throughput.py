@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from miles.config import ModelConfig
-from miles.engines import GenerateRequest, SamplingParams
+from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models import ensure_embedded_model
 

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from miles.config import ModelConfig, load_config
-from miles.engines import SamplingParams
+from miles.engines.base import SamplingParams
 from miles.engines.base import eos_token_ids
 from miles.engines.torch_engine import TorchEngine
 from miles.envs.base import StepResult

@@ -36,7 +36,7 @@ def _child(model_dir: str, adapters_dir: str, adapters: int, batch: int, new_tok
     import torch
     from safetensors.torch import load_file
 
-    from miles.engines import GenerateRequest, SamplingParams
+    from miles.engines.base import GenerateRequest, SamplingParams
     from miles.engines.torch_engine import TorchEngine
 
     after_imports = _rss_mib()

@@ -25,7 +25,7 @@ import torch
 from random_llama import random_llama
 
 from miles.config import SGLangConfig
-from miles.engines import GenerateRequest, SamplingParams
+from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine
 from miles.engines.torch_engine import TorchEngine
 

@@ -67,8 +67,9 @@ class ActorGroup:
         self.handles = handles
         self._release = release
 
-    def submit(self, method: str, *args: Any) -> list[ray.ObjectRef]:
-        return [getattr(handle, method).remote(*args) for handle in self.handles]
+    def submit(self, method: Callable, *args: Any) -> list[ray.ObjectRef]:
+        """`method` (the actor class's, e.g. `TrainActor.train`) on every member; one ref per rank."""
+        return [getattr(handle, method.__name__).remote(*args) for handle in self.handles]
 
     def results(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """Every rank's result; the first failure (in completion order) kills a group of several and is raised."""
@@ -83,7 +84,7 @@ class ActorGroup:
                 raise
         return ray.get(refs)
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: Callable, *args: Any) -> Any:
         return self.results(self.submit(method, *args))[0]
 
     def kill(self) -> None:
@@ -97,7 +98,7 @@ class ActorGroup:
 class RestartableActor:
     """A proxy for an ActorGroup that is started again after it dies, rebuilt from the run directory by `start()`.
 
-    `proxy.method(*args)` calls the method on every member and returns rank 0's result. The call that meets a
+    `proxy.call(Actor.method, *args)` calls the method on every member and returns rank 0's result. The call that meets a
     member's death raises ActorLost (the task's retry repeats the work); the next call first runs `start()`, which
     returns a new group with the state rebuilt (e.g. the latest checkpoint plus the ledger). Thread-safe: concurrent
     callers that meet one death trigger one restart.
@@ -114,22 +115,17 @@ class RestartableActor:
     def handles(self) -> list[ray.actor.ActorHandle]:
         return self.group.handles
 
-    def __getattr__(self, method: str) -> Callable[..., Any]:
-        if method.startswith("_"):  # copy, pickle and friends probe for dunders: not actor methods
-            raise AttributeError(method)
-
-        def call(*args: Any) -> Any:
-            return ray.get(self._finished(method, *args)[0])
-
-        return call
+    def call(self, method: Callable, *args: Any) -> Any:
+        """`method` (the actor class's, e.g. `TrainActor.train`) on every member; rank 0's result."""
+        return ray.get(self._finished(method, *args)[0])
 
     def hand_over(self, method: Callable, *args: Any, to: Callable[[ray.ObjectRef], Any]) -> Any:
         """`to(ref)` with `ref` rank 0's result of the actor's `method` (e.g. `TrainActor.weights`), for another actor
         to consume without a copy here. The result is complete (every rank done) before `to` sees it: a consumer never
         waits on a group that lost a member."""
-        return to(self._finished(method.__name__, *args)[0])
+        return to(self._finished(method, *args)[0])
 
-    def _finished(self, method: str, *args: Any) -> list[Any]:
+    def _finished(self, method: Callable, *args: Any) -> list[Any]:
         """The refs of `method`'s finished results, one per rank; ActorLost when a member died meanwhile."""
         group = self._live()
         refs = group.submit(method, *args)
@@ -138,7 +134,7 @@ class RestartableActor:
         except ray.exceptions.RayActorError as exc:
             self._mark_lost(group)
             raise ActorLost(
-                f"the {self.name} died during {method} ({first_line(exc)}); it restarts on the next call"
+                f"the {self.name} died during {method.__name__} ({first_line(exc)}); it restarts on the next call"
             ) from exc
         except ray.exceptions.RayError:
             if len(group.handles) > 1:  # killed by results(): the next call starts the group again

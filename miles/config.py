@@ -8,6 +8,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from miles.engines import check_engine_name
 from miles.run_dir import RunDir
 from miles.seeds import adapter_run_seed
 from miles.train.algorithms import check_algorithm_name
@@ -195,8 +196,11 @@ class LoggingConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["torch", "sglang"] = Field(
-        "torch", description="torch: TorchEngine actors; sglang: SGLang servers (make install-gpu)"
+    engine: str = Field(
+        "torch",
+        json_schema_extra=IMPORT_PATH,
+        description="torch: TorchEngine actors; sglang: SGLang servers (make install-gpu); or 'pkg.mod:Class' "
+        "implementing miles.engines.base.RolloutEngine",
     )
     num_engines: int = Field(1, gt=0)
     rollout_batch_size: int = Field(64, gt=0, description="prompts per rollout")
@@ -232,8 +236,8 @@ class RolloutConfig(_Section):
     weight_transport: Literal["object_store", "disk", "distributed"] | None = Field(
         None,
         description="how pushed weights reach the engines: object_store (torch engines), disk (a model directory "
-        "under the run directory), distributed (a broadcast from the trainer's rank 0); unset: object_store for "
-        "torch, disk for sglang",
+        "under the run directory), distributed (a broadcast from the trainer's rank 0); unset: the engine's own "
+        "choice (object_store for torch, disk for sglang)",
     )
     sglang: SGLangConfig = SGLangConfig()
     env: str | None = Field(
@@ -256,18 +260,10 @@ class RolloutConfig(_Section):
         "(miles.rollout.generation); unset: one completion per prompt, or episodes with rollout.env",
     )
 
-    @model_validator(mode="after")
-    def _transport(self) -> RolloutConfig:
-        if self.engine == "sglang" and self.weight_transport == "object_store":
-            raise ValueError(
-                "rollout.weight_transport=object_store hands tensors to an engine's own process; an SGLang server "
-                "loads weights from disk or a broadcast: use disk or distributed"
-            )
-        return self
-
-    @property
-    def transport(self) -> str:
-        return self.weight_transport or ("disk" if self.engine == "sglang" else "object_store")
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        return check_engine_name(name)
 
     @property
     def max_model_tokens(self) -> int:
@@ -518,7 +514,7 @@ class RunConfig(_Section):
                 f"train.global_batch_size ({per_worker} = {self.train.global_batch_size} / train.num_workers)"
             )
         if (
-            self.rollout.transport == "distributed"
+            self.rollout.weight_transport == "distributed"
             and self.rollout.device.split(":")[0] != self.train.device.split(":")[0]
         ):
             raise ValueError(

@@ -1,8 +1,10 @@
 """Iterations: one policy's rollouts in a run (the full model, or one adapter of the multi-LoRA run).
 
-Which rollout_ids this run trains, `generate` and `get` through the policy's RolloutExecutor, each phase timed,
-one metrics.jsonl line per finished iteration and per evaluation, the checkpoint and evaluation schedules, and the
-restore of a trainer from the run directory. RLRun and each AdapterRun hold one; how the policy trains and reaches the engines is theirs.
+Which rollout_ids this run trains and what is due after each (`Slice`: the sync, checkpoint and evaluation rules),
+`generate` and `get` through the policy's RolloutExecutor, each phase timed, the ledger (its one writer), one
+metrics.jsonl line per finished iteration and per evaluation, the driver's record of the trainer's weight version,
+and the restore of a trainer from the run directory. RLRun and each AdapterRun hold one; how the policy trains and
+reaches the engines is theirs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -28,6 +31,7 @@ from miles.rollout.schema import rollout_metadata
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir, is_evaluation
 from miles.trackers import Trackers
+from miles.weight_version import trained_version
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,43 @@ class PolicyInputs(NamedTuple):
     rows: list[dict[str, str]]
     reward: RewardFn | object  # a reward function or a batched reward (miles.rewards)
     eval_sets: list[EvalSet]
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The rollouts one start of a run trains, and what is due after each: the one place that decides the end of a
+    slice (`iterations_per_run` rollouts) and of the run (`num_rollout`).
+
+    The engines get the weights trained on a rollout every `update_weights_interval` rollouts, and after the slice's
+    last rollout exactly when the slice's closing evaluation reads them (otherwise the next start loads its engines
+    from the checkpoint, and a retiring adapter leaves them). A checkpoint is saved every `save_interval` rollouts
+    and after the slice's last rollout, where the next start resumes."""
+
+    rollout_ids: range
+    num_rollout: int
+    update_weights_interval: int
+    save_interval: int
+
+    @classmethod
+    def of(cls, config: RunConfig, first_rollout_id: int) -> Slice:
+        per_run = config.iterations_per_run or config.num_rollout
+        rollout_ids = range(first_rollout_id, min(config.num_rollout, first_rollout_id + per_run))
+        return cls(rollout_ids, config.num_rollout, config.update_weights_interval, config.save_interval)
+
+    def is_last(self, rollout_id: int) -> bool:
+        """The slice's last rollout (the run's last, when the slice reaches num_rollout)."""
+        return rollout_id == self.rollout_ids.stop - 1
+
+    def ends_run(self, rollout_id: int) -> bool:
+        return rollout_id == self.num_rollout - 1
+
+    def sync_due(self, rollout_id: int, closing_evaluation_due: bool) -> bool:
+        if self.is_last(rollout_id):
+            return closing_evaluation_due
+        return trained_version(rollout_id) % self.update_weights_interval == 0
+
+    def save_due(self, rollout_id: int) -> bool:
+        return trained_version(rollout_id) % self.save_interval == 0 or self.is_last(rollout_id)
 
 
 class Iterations:
@@ -65,8 +106,9 @@ class Iterations:
         self.executor = RolloutExecutor(
             self.config, controller, tokenizer, self.data_source, self.store, inputs.reward, adapter
         )
-        # Rollouts trained so far; the trainer is at version rollout_id + 1 after training rollout_id.
-        self.trainer_version = plan.first_rollout_id
+        self.slice = Slice.of(self.config, plan.first_rollout_id)
+        self.ledger = self.run_dir.ledger()
+        self.trainer_version = plan.trainer_version  # the driver's record of the weights the trainer holds
         kept = self.run_dir.keep_metrics_before(plan.first_rollout_id)
         self._recorded_ids = {r["rollout_id"] for r in kept if not is_evaluation(r)}
         self._evaluations = {(r["rollout_id"], r["eval"]): r for r in kept if is_evaluation(r)}
@@ -86,7 +128,7 @@ class Iterations:
     def _account_for_replay(self) -> None:
         """The rollouts the plan replays are trained already: the data cursor goes past them, and one whose
         metrics line was never written (the process died after training it) gets it from the ledger."""
-        trained = self.run_dir.ledger().trained
+        trained = self.ledger.trained
         for rollout_id in self.plan.replay:
             table = self.store.read(rollout_id)
             self.data_source.position = int(rollout_metadata(table)["data_position_end"])
@@ -104,13 +146,13 @@ class Iterations:
         rollout trained after it, from its stored file and handed over at trainer version rollout_id as when first
         trained: the trainer comes out with the weights it had. Used at the start and after a trainer died.
 
-        The ledger forgets those rollouts first, so that the trainer records each again as it re-trains it."""
+        The ledger forgets those rollouts first, and records each again as the trainer re-trains it."""
         plan = ResumePlan.read(self.run_dir, self.store, self.label)
-        self.run_dir.ledger().forget_after(plan.saved_rollout_id)
+        self.ledger.forget_after(plan.saved_rollout_id)
         trainer = start(plan.checkpoint)
         for rollout_id in plan.replay:
-            table, _ = self.executor.get(rollout_id, trainer_version=rollout_id)
-            train(trainer, rollout_id, table)
+            table, _ = self.executor.get(rollout_id, trainer_version=trained_version(rollout_id - 1))
+            self._record_trained(rollout_id, train(trainer, rollout_id, table))
         if plan.replay:
             log.warning(
                 "%sre-trained rollouts %s from their stored files onto the latest checkpoint",
@@ -121,16 +163,20 @@ class Iterations:
 
     def rollout_ids(self) -> range:
         """The rollouts this run trains: up to num_rollout, at most iterations_per_run of them."""
-        start = self.plan.first_rollout_id
-        per_run = self.config.iterations_per_run or self.config.num_rollout
-        return range(start, min(self.config.num_rollout, start + per_run))
+        return self.slice.rollout_ids
+
+    def should_sync(self, rollout_id: int) -> bool:
+        return self.slice.sync_due(rollout_id, self.should_evaluate(rollout_id + 1))
 
     def should_save(self, rollout_id: int) -> bool:
-        """Every save_interval, and at the end of this run (the next run resumes from there)."""
-        return (rollout_id + 1) % self.config.save_interval == 0 or rollout_id == self.rollout_ids().stop - 1
+        return self.slice.save_due(rollout_id)
 
     def checkpoint_state(self, rollout_id: int) -> dict[str, Any]:
-        return {"weight_version": rollout_id + 1, "data": self.data_source.state_dict(), "seed": self.config.seed}
+        return {
+            "weight_version": trained_version(rollout_id),
+            "data": self.data_source.state_dict(),
+            "seed": self.config.seed,
+        }
 
     @contextmanager
     def timed(self, rollout_id: int, phase: str) -> Iterator[None]:
@@ -151,13 +197,18 @@ class Iterations:
         return table
 
     def train(self, rollout_id: int, train: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """`train()` steps the policy on rollout `rollout_id`; its metrics go into the iteration's record."""
+        """`train()` steps the policy on rollout `rollout_id`; its metrics go into the ledger and the iteration's record."""
         with self.timed(rollout_id, "train"):
             metrics = train()
+        self._record_trained(rollout_id, metrics)
         self._metrics[rollout_id] = metrics
-        self.trainer_version = rollout_id + 1
         self.data_source.position = self.executor.prompt_order.end_of(rollout_id)  # what a checkpoint now saves
         return metrics
+
+    def _record_trained(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        if rollout_id not in self.ledger.trained:  # a retried train_step was answered from the trainer's record
+            self.ledger.record(rollout_id, metrics)
+        self.trainer_version = trained_version(rollout_id)
 
     def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
         """The iteration's record, appended to metrics.jsonl once per rollout_id."""

@@ -89,7 +89,7 @@ class AdapterRun:
         self.reporter = AdapterReporter(progress, adapter.name, self.config.num_rollout)
         if self.rollout_ids():
             self.restore_on(trainer.handles[0])
-            self.lora_config = trainer.adapter_config(adapter.name)
+            self.lora_config = trainer.call(LoRATrainActor.adapter_config, adapter.name)
             self._push(self.iterations.trainer_version)
 
     def restore_on(self, trainer: ray.actor.ActorHandle) -> None:
@@ -122,19 +122,20 @@ class AdapterRun:
         return self.iterations.get(rollout_id)
 
     def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
-        return self.iterations.train(rollout_id, lambda: self.trainer.train(self.name, rollout_id, table))
+        return self.iterations.train(
+            rollout_id, lambda: self.trainer.call(LoRATrainActor.train, self.name, rollout_id, table)
+        )
 
     def is_last(self, rollout_id: int) -> bool:
         """The adapter's final rollout: after it the adapter retires."""
-        return rollout_id == self.config.num_rollout - 1
+        return self.iterations.slice.ends_run(rollout_id)
 
     def should_push(self, rollout_id: int) -> bool:
-        """The engines need the adapter trained on `rollout_id`: for the next rollout, or for the final evaluation."""
-        return not self.is_last(rollout_id) or self.should_evaluate(rollout_id + 1)
+        return self.iterations.should_sync(rollout_id)
 
     def push_adapter(self, rollout_id: int) -> int:
-        """Load the adapter trained on `rollout_id` into every engine as version rollout_id + 1; others untouched."""
-        version = rollout_id + 1
+        """Load the adapter trained on `rollout_id` (the trainer's version of it) into every engine; others untouched."""
+        version = self.iterations.trainer_version
         with self.iterations.timed(rollout_id, "sync"):
             self._push(version)
         return version
@@ -143,12 +144,14 @@ class AdapterRun:
         return self.iterations.should_save(rollout_id)
 
     def save_checkpoint(self, rollout_id: int) -> str:
-        return self.trainer.save_checkpoint(self.name, rollout_id, self.iterations.checkpoint_state(rollout_id))
+        return self.trainer.call(
+            LoRATrainActor.save_checkpoint, self.name, rollout_id, self.iterations.checkpoint_state(rollout_id)
+        )
 
     def retire(self) -> None:
         """Free the adapter's slot in the engines and the trainer (its final checkpoint is already saved)."""
         self.controller.unload_adapter(self.name)
-        self.trainer.remove_adapter(self.name)
+        self.trainer.call(LoRATrainActor.remove_adapter, self.name)
         self.retired = True
 
     def finish_iteration(self, rollout_id: int) -> dict[str, Any]:

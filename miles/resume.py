@@ -10,6 +10,7 @@ from typing import Any
 from miles.checkpoint import latest_checkpoint, read_state
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
+from miles.weight_version import trained_version
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class ResumePlan:
 
     @property
     def saved_weight_version(self) -> int:
-        return self.state["weight_version"] if self.state else 0
+        return trained_version(self.saved_rollout_id)
 
     @property
     def data_state(self) -> dict[str, int] | None:
@@ -62,3 +63,8 @@ class ResumePlan:
     @property
     def first_rollout_id(self) -> int:
         return self.saved_rollout_id + 1 + len(self.replay)
+
+    @property
+    def trainer_version(self) -> int:
+        """The version the trainer holds once restored: the checkpoint's, moved on by the replay."""
+        return trained_version(self.first_rollout_id - 1)

@@ -21,6 +21,7 @@ from miles.cluster import ActorGroup, RestartableActor, ensure_ray
 from miles.config import ConfigError, RunConfig
 from miles.data import check_prompt_lengths, load_rows
 from miles.data.prompts import PromptFormatter
+from miles.engines import weight_transport
 from miles.evaluate import load_eval_sets
 from miles.iterations import Iterations, PolicyInputs
 from miles.models import ensure_embedded_model
@@ -111,6 +112,10 @@ class RLRun:
         # Every node resolves the run directory alike, whatever its working directory.
         config = config.model_copy(update={"run_dir": str(Path(config.run_dir).resolve())})
         inputs = check_inputs(config)
+        try:
+            self.transport = weight_transport(config.rollout)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.config = config
         self.run_dir = RunDir(config.run_dir).create()
         with ExitStack() as started:  # an error on the way releases what was taken so far
@@ -131,10 +136,10 @@ class RLRun:
                 self.trainer,
                 lambda: self.controller.engines,
                 self.controller.ranks_per_engine,
-                self.controller.distributed_load_format,
+                self.controller.engine_class.distributed_load_format,
                 backend="nccl" if config.rollout.device.startswith("cuda") else "gloo",
                 timeout_s=config.rollout.engine_timeout_s,
-                trainer_version=self.trainer.weights_version,
+                trainer_version=lambda: self.iterations.trainer_version,
             )
             self._push_replayed_weights(plan)
             self.reporter = IterationReporter(config.num_rollout, plan.first_rollout_id)
@@ -167,7 +172,7 @@ class RLRun:
 
         def train(trainers: ActorGroup, rollout_id: int, table: pa.Table) -> None:
             try:
-                trainers.call("train", rollout_id, table)
+                trainers.call(TrainActor.train, rollout_id, table)
             except BaseException:
                 trainers.kill()  # a group that failed its replay is not handed out: release its resources
                 raise
@@ -183,14 +188,13 @@ class RLRun:
         """Full weights as `version` to every engine, by rollout.weight_transport; a version they hold is skipped."""
         if version == self.controller.weight_version():
             return
-        transport = self.config.rollout.transport
-        if transport == "object_store":
+        if self.transport == "object_store":
             self.trainer.hand_over(
                 TrainActor.weights, to=lambda weights: self.controller.update_weights(ObjectStorePush(weights, version))
             )
-        elif transport == "disk":
+        elif self.transport == "disk":
             directory = self.run_dir.engine_weights / str(version)
-            self.trainer.write_weights(str(directory))
+            self.trainer.call(TrainActor.write_weights, str(directory))
             self.controller.update_weights(DiskPush(directory, version))
         else:
             self.controller.update_weights(self._weight_group.push(version))
@@ -205,14 +209,14 @@ class RLRun:
         return self.iterations.get(rollout_id)
 
     def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
-        return self.iterations.train(rollout_id, lambda: self.trainer.train(rollout_id, table))
+        return self.iterations.train(rollout_id, lambda: self.trainer.call(TrainActor.train, rollout_id, table))
 
     def should_sync(self, rollout_id: int) -> bool:
-        return (rollout_id + 1) % self.config.update_weights_interval == 0 or rollout_id == self.config.num_rollout - 1
+        return self.iterations.should_sync(rollout_id)
 
     def sync_weights(self, rollout_id: int) -> int:
-        """Push the weights trained on `rollout_id` to every engine as version rollout_id + 1."""
-        version = rollout_id + 1
+        """Push the weights trained on `rollout_id` (the trainer's version) to every engine."""
+        version = self.iterations.trainer_version
         with self.iterations.timed(rollout_id, "sync"):
             self._push_weights(version)
         return version
@@ -221,7 +225,7 @@ class RLRun:
         return self.iterations.should_save(rollout_id)
 
     def save_checkpoint(self, rollout_id: int) -> str:
-        return self.trainer.save_checkpoint(rollout_id, self.iterations.checkpoint_state(rollout_id))
+        return self.trainer.call(TrainActor.save_checkpoint, rollout_id, self.iterations.checkpoint_state(rollout_id))
 
     def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
         """Append the iteration's record to metrics.jsonl (once per rollout_id) and show it."""

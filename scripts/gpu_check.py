@@ -21,7 +21,7 @@ import pyarrow as pa
 import torch
 
 from miles.config import AdapterConfig, DataConfig, ModelConfig, TinyModelConfig, load_config
-from miles.engines import GenerateRequest, SamplingParams
+from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models.tiny import build_tiny_model, build_tokenizer
 from miles.rewards import resolve_reward

@@ -1,5 +1,42 @@
-"""Rollout engines behind one protocol; the InferenceController speaks only that protocol."""
+"""Rollout engines, chosen by `rollout.engine`: a built-in name or 'pkg.mod:Class', as algorithms are.
 
-from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+An engine is one class implementing `miles.engines.base.RolloutEngine` (the calls the InferenceController and the
+weight transports make, the weight transports it takes, how it is launched from the config). Adding one is one
+module plus one entry in BUILTINS (or none: a config names it by import path). This module imports no torch, so
+the config can check names.
+"""
 
-__all__ = ["EngineUnavailable", "GenerateRequest", "GenerateResult", "RolloutEngine", "SamplingParams"]
+from __future__ import annotations
+
+from miles.registry import check_name, import_object
+
+BUILTINS = {
+    "torch": "miles.engines.torch_engine:TorchEngine",
+    "sglang": "miles.engines.sglang_engine:SGLangEngine",
+}
+
+
+def check_engine_name(name: str) -> str:
+    """`name` if `rollout.engine` may take it (the config's check; the import happens at resolve_engine)."""
+    return check_name(name, list(BUILTINS))
+
+
+def resolve_engine(name: str) -> type:
+    """The engine class `rollout.engine` names: a built-in, or the user's `pkg.mod:Class`."""
+    engine = import_object("rollout.engine", BUILTINS.get(name, name))
+    if not isinstance(engine, type):
+        raise ValueError(f"rollout.engine: {name!r} is not a class")
+    return engine
+
+
+def weight_transport(rollout) -> str:
+    """The transport a run's weight pushes take: `rollout.weight_transport`, else the engine's first (its own
+    choice); one the engine does not take is refused, naming both."""
+    engine = resolve_engine(rollout.engine)
+    transport = rollout.weight_transport or engine.weight_transports[0]
+    if transport not in engine.weight_transports:
+        raise ValueError(
+            f"rollout.weight_transport={transport}: the {rollout.engine} engine ({engine.__name__}) takes "
+            f"{' or '.join(engine.weight_transports)}"
+        )
+    return transport

@@ -1,16 +1,18 @@
-"""The RolloutEngine protocol: what every inference engine (torch, SGLang) offers the controller."""
+"""The RolloutEngine protocol: what every inference engine (torch, SGLang) offers the controller, and its requests."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from miles.config import AdapterConfig, RolloutConfig
 from miles.weight_group import TensorSpec, WeightGroup, first_rows
 
 
@@ -100,14 +102,37 @@ def check_adapters_loaded(requests: list[GenerateRequest], loaded) -> None:
         raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(loaded)}")
 
 
-@runtime_checkable
 class RolloutEngine(Protocol):
-    """Every engine loads full weights from a model directory and from a weight-update group; the TorchEngine also
-    takes tensors in its own process (`update_weights`, the object-store transport)."""
+    """What the InferenceController and the weight transports ask of an engine class: how to launch it from the run's
+    config, the calls on a running engine (each in its Ray actor), and the weight transports it takes, each with its
+    load call (miles.rollout.weight_transport). An engine owns its refit: a load pauses the generations in flight,
+    loads, and continues them on the new weights (SGLang's pause / begin / load / end / continue; the TorchEngine
+    between two decode steps); `health` is its own liveness check."""
+
+    weight_transports: tuple[str, ...]  # the transports it takes (object_store, disk, distributed), its default first
+    distributed_load_format: str | None  # how a broadcast bucket arrives: FLATTENED, or None for tensor by tensor
+
+    @classmethod
+    def launch_args(
+        cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
+    ) -> dict[str, Any]:
+        """The constructor's keyword arguments for an engine of `rollout` serving `adapters`."""
+        ...
+
+    @classmethod
+    def ranks(cls, rollout: RolloutConfig) -> int:
+        """The devices (and weight-update group ranks) one engine takes."""
+        ...
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
 
-    def update_weights_from_disk(self, directory: str, version: int) -> None: ...
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Transport object_store: the tensors, handed over through Ray's object store."""
+        ...
+
+    def update_weights_from_disk(self, directory: str, version: int) -> None:
+        """Transport disk: a model directory the trainer wrote."""
+        ...
 
     def update_weights_from_distributed(
         self,
@@ -116,13 +141,17 @@ class RolloutEngine(Protocol):
         buckets: list[list[TensorSpec]],
         version: int,
         load_format: str | None = None,
-    ) -> dict[str, list | None]: ...
+    ) -> dict[str, list | None]:
+        """Transport distributed: a broadcast over a weight-update group; returns the first rows it then holds."""
+        ...
 
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None: ...
 
     def unload_adapter(self, name: str) -> None: ...
 
     def weight_version(self) -> int: ...
+
+    def adapter_versions(self) -> dict[str, int]: ...
 
     def health(self) -> bool: ...
 

@@ -26,15 +26,16 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
 from safetensors.torch import save_file
 
 from miles.checkpoint import unshared
-from miles.config import SGLangConfig
+from miles.config import AdapterConfig, RolloutConfig, SGLangConfig
 from miles.engines.base import (
     EngineUnavailable,
     GenerateRequest,
@@ -42,7 +43,7 @@ from miles.engines.base import (
     check_adapters_loaded,
     safetensors_first_rows,
 )
-from miles.weight_group import TensorSpec, WeightGroup, check_first_rows
+from miles.weight_group import FLATTENED, TensorSpec, WeightGroup, check_first_rows
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,33 @@ _POLL_S = 0.5
 
 
 class SGLangEngine:
+    weight_transports = ("disk", "distributed")  # a server loads from its own process: no object-store tensors
+    distributed_load_format = FLATTENED  # one collective per bucket, as SGLang recommends, not one per tensor
+
+    @classmethod
+    def launch_args(
+        cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
+    ) -> dict[str, Any]:
+        args = dict(
+            model_dir=model_dir,
+            weight_version=weight_version,
+            device=rollout.device,
+            config=rollout.sglang,
+            timeout_s=rollout.engine_timeout_s,
+            max_running_requests=rollout.max_running_requests,
+            pause_generation_mode=rollout.pause_generation_mode,
+        )
+        if adapters:  # the server sizes its LoRA pool by them
+            args.update(
+                lora_rank=max(a.rank for a in adapters),
+                lora_target_modules=sorted({m for a in adapters for m in a.target_modules}),
+            )
+        return args
+
+    @classmethod
+    def ranks(cls, rollout: RolloutConfig) -> int:
+        return rollout.sglang.tp_size
+
     def __init__(
         self,
         model_dir: str,
@@ -75,6 +103,7 @@ class SGLangEngine:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
+        config = self.config
         command = [
             config.python or sys.executable,
             "-m",

@@ -21,16 +21,18 @@ import atexit
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from miles.config import AdapterConfig, RolloutConfig
 from miles.engines.base import GenerateRequest, GenerateResult, check_adapters_loaded, read_safetensors
 from miles.train.lora import is_adapter_key
 from miles.weight_group import Membership, TensorSpec, WeightGroup, first_rows, receive_bucket
@@ -41,6 +43,26 @@ _MASK32 = 0xFFFFFFFF
 
 
 class TorchEngine:
+    weight_transports = ("object_store", "disk", "distributed")
+    distributed_load_format = None  # tensor by tensor, straight into the parameters
+
+    @classmethod
+    def launch_args(
+        cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
+    ) -> dict[str, Any]:
+        return dict(
+            model_dir=model_dir,
+            weight_version=weight_version,
+            device=rollout.device,
+            num_threads=rollout.num_threads,
+            max_running_requests=rollout.max_running_requests,
+            pause_generation_mode=rollout.pause_generation_mode,
+        )
+
+    @classmethod
+    def ranks(cls, rollout: RolloutConfig) -> int:
+        return 1
+
     def __init__(
         self,
         model_dir: str,

@@ -23,11 +23,9 @@ import ray
 
 from miles.cluster import ENGINE_CONCURRENCY, HEALTH_TIMEOUT_S, actor_options, first_line
 from miles.config import AdapterConfig, RolloutConfig
+from miles.engines import resolve_engine
 from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult, RolloutEngine, check_adapters_loaded
-from miles.engines.sglang_engine import SGLangEngine
-from miles.engines.torch_engine import TorchEngine
 from miles.rollout.weight_transport import WeightPush
-from miles.weight_group import FLATTENED
 
 log = logging.getLogger(__name__)
 
@@ -41,39 +39,10 @@ class InferenceController:
     `adapters` are the LoRA adapters the engines may be asked to serve (an SGLang server sizes its LoRA pool by them)."""
 
     def __init__(self, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: list[AdapterConfig] = ()):
-        if rollout.engine == "sglang":
-            self._engine_class = SGLangEngine
-            self._engine_args = dict(
-                model_dir=model_dir,
-                weight_version=weight_version,
-                device=rollout.device,
-                config=rollout.sglang,
-                timeout_s=rollout.engine_timeout_s,
-                max_running_requests=rollout.max_running_requests,
-                pause_generation_mode=rollout.pause_generation_mode,
-            )
-            if adapters:
-                self._engine_args.update(
-                    lora_rank=max(a.rank for a in adapters),
-                    lora_target_modules=sorted({m for a in adapters for m in a.target_modules}),
-                )
-            self._engine_options = actor_options(rollout.device, rollout.sglang.tp_size, ENGINE_CONCURRENCY)
-            self.ranks_per_engine = rollout.sglang.tp_size
-            # Broadcast weights arrive as SGLang recommends: one collective per bucket, not one per tensor.
-            self.distributed_load_format = FLATTENED
-        else:
-            self._engine_class = TorchEngine
-            self._engine_args = dict(
-                model_dir=model_dir,
-                weight_version=weight_version,
-                device=rollout.device,
-                num_threads=rollout.num_threads,
-                max_running_requests=rollout.max_running_requests,
-                pause_generation_mode=rollout.pause_generation_mode,
-            )
-            self._engine_options = actor_options(rollout.device, concurrency=ENGINE_CONCURRENCY)
-            self.ranks_per_engine = 1
-            self.distributed_load_format = None  # tensor by tensor, straight into the parameters
+        self.engine_class = resolve_engine(rollout.engine)
+        self._engine_args = self.engine_class.launch_args(model_dir, weight_version, rollout, adapters)
+        self.ranks_per_engine = self.engine_class.ranks(rollout)
+        self._engine_options = actor_options(rollout.device, self.ranks_per_engine, ENGINE_CONCURRENCY)
         self.timeout_s = rollout.engine_timeout_s
         self._weight_version = weight_version
         self._push: WeightPush | None = None  # the last full-weight push, for engines restarted after it
@@ -101,15 +70,15 @@ class InferenceController:
     def _on_every_engine(self, method: Callable, *args) -> list:
         return self._on_engines(method, dict.fromkeys(range(len(self.engines)), args))
 
-    def _on_engines(self, method: Callable | str, args_by_engine: dict[int, tuple], alongside=None) -> list:
+    def _on_engines(self, method: Callable, args_by_engine: dict[int, tuple], alongside=None) -> list:
         """Run `engines[i].<method>(*args)` for each `i: args` and return the results in order; `method` is the
-        RolloutEngine method (e.g. `RolloutEngine.generate`) or its name. `alongside()` runs here while the engines'
+        RolloutEngine method (e.g. `RolloutEngine.generate`). `alongside()` runs here while the engines'
         calls are in flight (the sender of a weight broadcast).
 
         When an engine died or gave no answer within timeout_s, the dead and hung engines are restarted and
         EngineRestarted is raised; any other error (a rejected request, a failed argument) is raised as it is.
         """
-        what = method if isinstance(method, str) else method.__name__
+        what = method.__name__
         used = {i: self.engines[i] for i in args_by_engine}
         refs = {i: getattr(used[i], what).remote(*args) for i, args in args_by_engine.items()}
         sender_error = None
@@ -165,7 +134,7 @@ class InferenceController:
         # A fresh engine holds the weights it was started from: give it the current weights and adapters.
         if restarted and self._push is not None:
             push, targets = self._push.refill(restarted, len(self.engines))
-            refs = {i: getattr(self.engines[i], push.method).remote(*push.engine_args(i)) for i in targets}
+            refs = {i: getattr(self.engines[i], push.method.__name__).remote(*push.engine_args(i)) for i in targets}
             try:
                 push.send()
             finally:

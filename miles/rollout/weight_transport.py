@@ -1,10 +1,16 @@
 """Weight transports: how a version of the trainer's full weights reaches the engines (`rollout.weight_transport`).
 
-- `object_store`: rank 0's gathered tensors go through Ray's object store into each engine's process (TorchEngine).
-- `disk`: the trainer writes a model directory under `<run_dir>/engine_weights/`, and every engine loads it (SGLang's
-  `/update_weights_from_disk`); the directory must be on storage the engines see, as the run directory is.
-- `distributed`: the trainer's rank 0 broadcasts flattened buckets over a weight-update group with every engine
-  (miles.weight_group; SGLang's `/update_weights_from_distributed`); nothing is written, nothing is copied whole.
+- `object_store`: rank 0's gathered tensors go through Ray's object store into each engine's process
+  (`RolloutEngine.update_weights`).
+- `disk`: the trainer writes a model directory under `<run_dir>/engine_weights/`, and every engine loads it
+  (`update_weights_from_disk`; SGLang's `/update_weights_from_disk`); the directory must be on storage the engines
+  see, as the run directory is.
+- `distributed`: the trainer's rank 0 broadcasts the weights bucket by bucket over a weight-update group with every
+  engine (miles.weight_group; `update_weights_from_distributed`), each bucket as the engine class's
+  `distributed_load_format` asks: flattened into one tensor (SGLang's `/update_weights_from_distributed`) or tensor
+  by tensor straight into the parameters (TorchEngine); nothing is written, nothing is copied whole.
+
+Which transports an engine takes is its class's `weight_transports` (miles.engines.weight_transport picks one).
 
 A push is a `WeightPush`: the engine method that loads it and its arguments per engine, what the sender does while
 the engines receive, and the check of what the engines then hold. An engine restarted by the controller gets the
@@ -22,13 +28,15 @@ from typing import Any
 import ray
 
 from miles.cluster import RestartableActor
+from miles.engines.base import RolloutEngine
+from miles.train.actor import TrainActor
 from miles.weight_group import TensorSpec, WeightGroup, check_first_rows
 
 
 class WeightPush:
     """Full weights as `version`, on their way to the engines."""
 
-    method: str  # the RolloutEngine method that loads them
+    method: Callable  # the RolloutEngine method that loads them
 
     def __init__(self, version: int):
         self.version = version
@@ -52,7 +60,7 @@ class WeightPush:
 
 
 class ObjectStorePush(WeightPush):
-    method = "update_weights"
+    method = RolloutEngine.update_weights
 
     def __init__(self, weights: ray.ObjectRef, version: int):
         super().__init__(version)
@@ -63,7 +71,7 @@ class ObjectStorePush(WeightPush):
 
 
 class DiskPush(WeightPush):
-    method = "update_weights_from_disk"
+    method = RolloutEngine.update_weights_from_disk
 
     def __init__(self, directory: Path, version: int):
         super().__init__(version)
@@ -79,7 +87,7 @@ class DiskPush(WeightPush):
 
 
 class DistributedPush(WeightPush):
-    method = "update_weights_from_distributed"
+    method = RolloutEngine.update_weights_from_distributed
 
     def __init__(self, transport: DistributedTransport, version: int):
         super().__init__(version)
@@ -92,7 +100,7 @@ class DistributedPush(WeightPush):
         return self.group, self.rank_offsets[index], self.buckets, self.version, self.transport.load_format
 
     def send(self) -> None:
-        answer = self.transport.trainer.broadcast_weights(self.group, self.transport.load_format)
+        answer = self.transport.trainer.call(TrainActor.broadcast_weights, self.group, self.transport.load_format)
         if "error" in answer:
             raise RuntimeError(f"the trainer could not send weights version {self.version}: {answer['error']}")
         self.sent_rows = answer["first_rows"]
@@ -141,7 +149,7 @@ class DistributedTransport:
         engines = self.engines()
         members = (self.trainer.group, *(engine._actor_id for engine in engines))
         if self._group is None or members != self._members or not self._working:
-            host, port = self.trainer.free_address()
+            host, port = self.trainer.call(TrainActor.free_address)
             self._made += 1
             self._group = WeightGroup(
                 master_address=host,
@@ -160,5 +168,5 @@ class DistributedTransport:
     def bucket_specs(self) -> list[list[TensorSpec]]:
         """The trainer's buckets; they change only with the trainer group (a new model, the same names)."""
         if self._specs is None or self._specs[0] is not self.trainer.group:
-            self._specs = (self.trainer.group, self.trainer.weight_bucket_specs())
+            self._specs = (self.trainer.group, self.trainer.call(TrainActor.weight_bucket_specs))
         return self._specs[1]

@@ -40,7 +40,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 class TrainActor:
     """Rank `rank` of `world_size` trainer workers. Every rank gets every call, in the same order (one SPMD program):
     with `train.sharding=fsdp` the ranks form one torch.distributed group through `rendezvous` (`host:port` on rank
-    0's node), shard the model and each global batch; rank 0 alone writes the ledger and the checkpoint's own files
+    0's node), shard the model and each global batch; rank 0 alone writes the checkpoint's own files
     and returns the weights."""
 
     def __init__(
@@ -83,7 +83,9 @@ class TrainActor:
             # The reference is the run's starting policy, not the checkpoint it resumed from.
             self.ref_model = self._load(Path(model_dir)).eval()
             self.ref_model.requires_grad_(False)
-        self.ledger = self.run_dir.ledger()
+        # What the ledger says was trained into these weights; the driver records each new rollout there, so a
+        # retried call is answered from here without a second step.
+        self.trained = dict(self.run_dir.ledger().trained)
         self._weight_group = Membership()  # rank 0's place in the weight-update group it broadcasts over
 
     def _load(self, source: Path) -> torch.nn.Module:
@@ -97,16 +99,13 @@ class TrainActor:
         return model
 
     def trained_rollouts(self) -> list[int]:
-        return sorted(self.ledger.trained)
-
-    def weights_version(self) -> int:
-        """The version of the weights held: rollout_id + 1 after training rollout_id."""
-        return max(self.ledger.trained, default=-1) + 1
+        return sorted(self.trained)
 
     def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
-        """Run this rollout's optimizer steps once; a second call for the same rollout_id only returns its metrics."""
-        if rollout_id in self.ledger.trained:
-            return self.ledger.trained[rollout_id]
+        """Run this rollout's optimizer steps once; a second call for the same rollout_id only returns its metrics (the
+        driver records them in the ledger)."""
+        if rollout_id in self.trained:
+            return self.trained[rollout_id]
         reference = None
         if self.ref_model is not None:
             reference = partial(batch_logprobs, self.ref_model, config=self.config, device=self.device)
@@ -120,10 +119,7 @@ class TrainActor:
             self.pad_token_id,
             reference,
         )
-        if self.rank == 0:
-            self.ledger.record(rollout_id, metrics)
-        else:  # every rank decides the same retries; one writes the file
-            self.ledger.trained[rollout_id] = metrics
+        self.trained[rollout_id] = metrics
         return metrics
 
     @property

@@ -56,7 +56,7 @@ def start_trainer_group(config: RunConfig, model_dir: Path, checkpoint: Path | N
     ]
     trainers = ActorGroup(handles, release=lambda: remove_placement_group(group))
     try:
-        trainers.call("trained_rollouts")  # every worker started (its error, if one failed, is raised here)
+        trainers.call(TrainActor.trained_rollouts)  # every worker started (its error, if one failed, is raised here)
     except BaseException:
         trainers.kill()  # frees the placement group's resources, whatever the group's size
         raise

@@ -1,4 +1,4 @@
-"""LoRATrainActor: several peft LoRA adapters on one frozen base model, each with its own optimizer and ledger.
+"""LoRATrainActor: several peft LoRA adapters on one frozen base model, each with its own optimizer.
 
 A `train(name, rollout_id, table)` call activates that adapter, so only its parameters get gradients and only
 its optimizer steps. Checkpoints hold the adapter as a PEFT directory (`adapter_config.json` +
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.checkpoint import ADAPTER_DIR, load_optimizer, save_optimizer, write_checkpoint
 from miles.config import AdapterConfig, RunConfig
-from miles.run_dir import Ledger, RunDir
+from miles.run_dir import RunDir
 from miles.seeds import adapter_init_seed
 from miles.train.update import batch_logprobs, train_on_rollout
 
@@ -57,7 +57,7 @@ class _Adapter:
     optimizer: torch.optim.Optimizer
     params: list[torch.nn.Parameter]
     run_dir: RunDir
-    ledger: Ledger
+    trained: dict[int, dict[str, float]]  # the adapter's ledger when added, then each rollout trained since
 
 
 class LoRATrainActor:
@@ -91,7 +91,7 @@ class LoRATrainActor:
         if checkpoint:
             load_optimizer(self.model, optimizer, Path(checkpoint))
         run_dir = RunDir(view.run_dir)
-        self.adapters[name] = _Adapter(view, optimizer, params, run_dir, run_dir.ledger())
+        self.adapters[name] = _Adapter(view, optimizer, params, run_dir, dict(run_dir.ledger().trained))
 
     def remove_adapter(self, name: str) -> None:
         """Drop a retired adapter's weights and optimizer state."""
@@ -103,10 +103,11 @@ class LoRATrainActor:
             self.model.delete_adapter(name)
 
     def train(self, name: str, rollout_id: int, table: pa.Table) -> dict[str, float]:
-        """This adapter's optimizer steps on its rollout, once; a repeated call returns the recorded metrics."""
+        """This adapter's optimizer steps on its rollout, once; a repeated call returns its metrics (the driver records
+        them in the adapter's ledger)."""
         adapter = self.adapters[name]
-        if rollout_id in adapter.ledger.trained:
-            return adapter.ledger.trained[rollout_id]
+        if rollout_id in adapter.trained:
+            return adapter.trained[rollout_id]
         self.model.set_adapter(name)
         self.model.train()
         reference = None
@@ -122,7 +123,7 @@ class LoRATrainActor:
             self.pad_token_id,
             reference,
         )
-        adapter.ledger.record(rollout_id, metrics)
+        adapter.trained[rollout_id] = metrics
         return metrics
 
     def _base_logprobs(self, batch, config: RunConfig) -> torch.Tensor:

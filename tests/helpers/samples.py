@@ -6,7 +6,7 @@ import dataclasses
 
 import pyarrow as pa
 
-from miles.engines import GenerateRequest, SamplingParams
+from miles.engines.base import GenerateRequest, SamplingParams
 from miles.rollout.schema import ROLLOUT_SCHEMA, samples_table
 
 

@@ -182,25 +182,8 @@ def test_sharding_follows_the_workers_and_the_dtype_unless_set(overrides, sharde
 
 
 @pytest.mark.parametrize(
-    "overrides, transport",
-    [
-        ([], "object_store"),
-        (["rollout.engine=sglang"], "disk"),
-        (["rollout.engine=sglang", "rollout.weight_transport=distributed"], "distributed"),
-        (["rollout.weight_transport=disk"], "disk"),
-    ],
-)
-def test_the_weight_transport_follows_the_engine_unless_set(overrides, transport):
-    assert load_config(None, overrides).rollout.transport == transport
-
-
-@pytest.mark.parametrize(
     "overrides, expected",
     [
-        (
-            ["rollout.engine=sglang", "rollout.weight_transport=object_store"],
-            "an SGLang server loads weights from disk or a broadcast: use disk or distributed",
-        ),
         (
             ["rollout.weight_transport=distributed", "rollout.device=cuda", "train.device=cpu"],
             "train.device (cpu) and rollout.device (cuda) must both be cpu or both cuda",

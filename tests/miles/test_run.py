@@ -19,6 +19,7 @@ from miles.loop import run_sync, sync_iteration
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.run import RLRun
 from miles.run_dir import RunDir
+from miles.train.actor import TrainActor
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
 
 
@@ -130,11 +131,11 @@ def test_train_twice_on_one_rollout_steps_once(ray_session, small_config):
     with RLRun(small_config(num_rollout=1)) as run:
         run.generate(0)
         table = run.get(0)
-        before = run.trainer.weights()
+        before = run.trainer.call(TrainActor.weights)
         first = run.train(0, table)
-        after_first = run.trainer.weights()
+        after_first = run.trainer.call(TrainActor.weights)
         second = run.train(0, table)
-        after_second = run.trainer.weights()
+        after_second = run.trainer.call(TrainActor.weights)
     assert any(not torch.equal(before[k], after_first[k]) for k in before)
     assert all(torch.equal(after_first[k], after_second[k]) for k in before)
     assert second == first

@@ -4,6 +4,7 @@ import torch
 from prefect import flow
 
 from miles.run import RLRun
+from miles.train.actor import TrainActor
 from tasks import generate, get, train_step
 from tests.helpers.history import stored_task_runs
 
@@ -15,7 +16,7 @@ def test_retried_train_step_does_not_step_again(ray_session, prefect_api, small_
     def train_then_fail_once(self, rollout_id, table):
         metrics = real_train(self, rollout_id, table)
         if not weights_after_first_attempt:
-            weights_after_first_attempt.update(self.trainer.weights())
+            weights_after_first_attempt.update(self.trainer.call(TrainActor.weights))
             raise ConnectionError("lost the trainer's reply")  # the step happened, the task still fails
         return metrics
 
@@ -27,10 +28,10 @@ def test_retried_train_step_does_not_step_again(ray_session, prefect_api, small_
         return train_step(run, 0, get(run, 0))
 
     with RLRun(small_config(num_rollout=1)) as run:
-        initial_weights = run.trainer.weights()
+        initial_weights = run.trainer.call(TrainActor.weights)
         state = one_iteration(run, return_state=True)
-        final_weights = run.trainer.weights()
-        trained = run.trainer.trained_rollouts()
+        final_weights = run.trainer.call(TrainActor.weights)
+        trained = run.trainer.call(TrainActor.trained_rollouts)
 
     assert state.is_completed()
     assert trained == [0]

@@ -48,8 +48,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from miles.engines import GenerateRequest, SamplingParams
-from miles.engines.base import eos_token_ids
+from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import WeightGroup, join, leave, receive_bucket
 

@@ -21,11 +21,12 @@ import torch
 from safetensors.torch import save_file
 
 from miles.config import SGLangConfig
-from miles.engines import EngineUnavailable, GenerateRequest, RolloutEngine, SamplingParams
+from miles.engines.base import EngineUnavailable, GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine, token_versions
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import FLATTENED, check_first_rows, first_rows
 from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory
+from tests.helpers.engine_contract import contract_violations
 from tests.helpers.faults import sglang_server_pid
 from tests.helpers.samples import ADAPTER_PROMPTS, make_requests, seeded, with_adapter
 from tests.helpers.weight_sender import Sender, bucket_specs, in_buckets, new_group
@@ -72,7 +73,7 @@ def _assert_same(got, expected):
 
 
 def test_samples_equal_the_torch_engine(lora_engine, tiny_model_dir, tokenizer):
-    assert isinstance(lora_engine, RolloutEngine)
+    assert contract_violations(type(lora_engine)) == []
     requests = make_requests(tokenizer, ADAPTER_PROMPTS * 3, max_new_tokens=2, temperature=0.9, top_p=0.95)
     # Every token stops the last six: "stop" is read whatever this test model samples; the rest may run to "length".
     any_token = tuple(range(len(tokenizer)))

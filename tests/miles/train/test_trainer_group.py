@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from miles.engines.torch_engine import TorchEngine
 from miles.run_dir import RunDir
+from miles.train.actor import TrainActor
 from miles.train.algorithms.advantages import grpo
 from miles.train.group import start_trainer_group
 from miles.train.update import rank_rows
@@ -48,8 +49,8 @@ def _trained(small_config, tiny_model_dir, run_dir, rollout, *overrides):
     RunDir(config.run_dir).create()
     trainers = start_trainer_group(config, tiny_model_dir, None)
     try:
-        metrics = trainers.call("train", 0, rollout)
-        return trainers.call("weights"), metrics
+        metrics = trainers.call(TrainActor.train, 0, rollout)
+        return trainers.call(TrainActor.weights), metrics
     finally:
         trainers.kill()
 

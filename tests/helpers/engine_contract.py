@@ -1,0 +1,38 @@
+"""What an engine class must offer to be driven by the InferenceController and the weight transports."""
+
+from __future__ import annotations
+
+import inspect
+
+from miles.engines.base import RolloutEngine
+from miles.rollout.weight_transport import DiskPush, DistributedPush, ObjectStorePush
+
+# Each transport's engine call, as the pushes make it.
+LOAD_CALLS = {"object_store": ObjectStorePush.method, "disk": DiskPush.method, "distributed": DistributedPush.method}
+ENGINE_CALLS = [
+    name
+    for name, member in vars(RolloutEngine).items()
+    if (callable(member) or isinstance(member, classmethod))
+    and not name.startswith("_")
+    and member not in LOAD_CALLS.values()
+]
+
+
+def contract_violations(engine: type) -> list[str]:
+    """Every way `engine` falls short of the RolloutEngine protocol; [] when it is whole. A load call is owed for
+    each transport the class declares, and only for those."""
+    problems = []
+    transports = getattr(engine, "weight_transports", ())
+    if not transports or not set(transports) <= set(LOAD_CALLS):
+        problems.append(f"weight_transports {transports!r}: one or more of {sorted(LOAD_CALLS)}")
+    if not hasattr(engine, "distributed_load_format"):
+        problems.append("no distributed_load_format")
+    owed = ENGINE_CALLS + [LOAD_CALLS[t].__name__ for t in transports if t in LOAD_CALLS]
+    for name in owed:
+        expected = inspect.signature(getattr(RolloutEngine, name))
+        offered = getattr(engine, name, None)
+        if offered is None:
+            problems.append(f"no {name}")
+        elif list(inspect.signature(offered).parameters) != list(expected.parameters):
+            problems.append(f"{name}{inspect.signature(offered)} does not take {name}{expected}")
+    return problems

@@ -1,0 +1,62 @@
+"""Every registered engine against the RolloutEngine protocol, and the registry that chooses one."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.config import load_config
+from miles.engines import BUILTINS, resolve_engine, weight_transport
+from tests.helpers.engine_contract import contract_violations
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_every_built_in_engine_offers_the_whole_protocol(name):
+    assert contract_violations(resolve_engine(name)) == []
+
+
+class HalfAnEngine:
+    weight_transports = ("disk", "carrier_pigeon")
+
+    def generate(self, prompts): ...
+
+    def update_weights_from_disk(self, directory: str, version: int) -> None: ...
+
+
+def test_an_engine_that_falls_short_is_told_where():
+    problems = contract_violations(HalfAnEngine)
+    assert "weight_transports ('disk', 'carrier_pigeon'): one or more of ['disk', 'distributed', 'object_store']" in (
+        problems
+    )
+    assert "no distributed_load_format" in problems and "no launch_args" in problems and "no health" in problems
+    assert any(p.startswith("generate(self, prompts) does not take generate(self, requests") for p in problems)
+    assert not any("update_weights_from_disk" in p for p in problems)  # it takes the call of the transport it names
+
+
+def test_an_engine_is_named_by_import_path_like_an_algorithm():
+    config = load_config(None, ["rollout.engine=miles.engines.torch_engine:TorchEngine"])
+    assert resolve_engine(config.rollout.engine) is resolve_engine("torch")
+    assert config.import_paths()["rollout.engine"] == "miles.engines.torch_engine:TorchEngine"
+
+
+def test_an_unknown_engine_is_refused_naming_the_built_ins():
+    with pytest.raises(ValueError, match=r"unknown 'vllm'; use one of \['sglang', 'torch'\] or 'pkg.mod:fn'"):
+        load_config(None, ["rollout.engine=vllm"])
+
+
+@pytest.mark.parametrize(
+    "overrides, transport",
+    [
+        ([], "object_store"),
+        (["rollout.engine=sglang"], "disk"),
+        (["rollout.engine=sglang", "rollout.weight_transport=distributed"], "distributed"),
+        (["rollout.weight_transport=disk"], "disk"),
+    ],
+)
+def test_the_weight_transport_is_the_engines_choice_unless_set(overrides, transport):
+    assert weight_transport(load_config(None, overrides).rollout) == transport
+
+
+def test_a_transport_the_engine_does_not_take_is_named():
+    rollout = load_config(None, ["rollout.engine=sglang", "rollout.weight_transport=object_store"]).rollout
+    with pytest.raises(ValueError, match=r"object_store: the sglang engine \(SGLangEngine\) takes disk or distributed"):
+        weight_transport(rollout)
