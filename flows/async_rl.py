@@ -15,6 +15,8 @@ Rollout i+1 comes from weights one version behind the trainer; the loss corrects
 sampling (algo.use_tis) or the engine's log-probs as the old policy (algo.use_rollout_logprobs), and
 rollout.max_weight_staleness bounds how stale a group may be. The last rollout has no next one to generate.
 An evaluation shares the engines with the generation running beside it; the engines batch them together.
+
+The schedule is written once, `miles.schedules.one_step_off_policy`, over the tasks; `miles.loop.run_async` runs it without Prefect.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from prefect import flow
 
 from flows.report import RunReport
 from flows.runtime import check_deployment_imports
+from miles import schedules
 from miles.config import RunConfig
 from miles.run import RLRun, check_off_policy_correction
-from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_step
+from tasks import STEPS
 
 
 @flow(name="rl-async")
@@ -34,30 +37,8 @@ def async_rl(config: RunConfig) -> dict:
     check_off_policy_correction(config)
     with RLRun(config) as run:
         report = RunReport(run, "rl-async")
-        rollout_ids = run.rollout_ids()
-        evaluation = evaluate.submit(run, rollout_ids.start) if run.should_evaluate(rollout_ids.start) else None
-        next_rollout = generate.submit(run, rollout_ids.start) if rollout_ids else None
-        for rollout_id in rollout_ids:
-            table = get(run, rollout_id, wait_for=[next_rollout])
-            next_rollout = generate.submit(run, rollout_id + 1) if rollout_id + 1 in rollout_ids else None
-            train_step(run, rollout_id, table)
-            if run.should_sync(rollout_id):
-                in_flight = [future for future in (next_rollout, evaluation) if future is not None]
-                sync_weights(run, rollout_id, wait_for=in_flight)
-            if run.should_evaluate(rollout_id + 1):
-                evaluation = evaluate.submit(run, rollout_id + 1, wait_for=[evaluation] if evaluation else None)
-            if run.should_save(rollout_id):
-                save_checkpoint(run, rollout_id)
+        for rollout_id in schedules.one_step_off_policy(run, STEPS):
             report.iteration_done(rollout_id)
-        if evaluation is not None:
-            evaluation.result()
-        if rollout_ids:
+        if run.rollout_ids():
             report.finish()
     return report.summary()
-
-
-if __name__ == "__main__":
-    from flows.runtime import configure_prefect
-
-    configure_prefect()
-    print(async_rl(RunConfig()))

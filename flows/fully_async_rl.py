@@ -26,6 +26,8 @@ sample of each rollout and pushes weights only between generations, one version 
 about W versions behind, bounded by rollout.max_weight_staleness. Every generation draws one round of prompts, so
 algo.dynamic_sampling is refused. The run directory is the buffer: rollouts stored but not yet trained are reused
 by a resumed run, and a retried generate regenerates the same rollout id from the same prompts and seeds.
+
+The schedule is written once, `miles.schedules.fully_async`, over the tasks; `miles.loop.run_fully_async` runs it without Prefect.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from prefect import flow
 
 from flows.report import RunReport
 from flows.runtime import check_deployment_imports
+from miles import schedules
 from miles.config import RunConfig
 from miles.run import RLRun, check_fully_async
-from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_step
+from tasks import STEPS
 
 
 @flow(name="rl-fully-async")
@@ -45,31 +48,8 @@ def fully_async_rl(config: RunConfig) -> dict:
     check_fully_async(config)
     with RLRun(config) as run:
         report = RunReport(run, "rl-fully-async")
-        rollout_ids = run.rollout_ids()
-        window = config.rollout.max_rollouts_in_flight
-        evaluation = evaluate.submit(run, rollout_ids.start) if run.should_evaluate(rollout_ids.start) else None
-        in_flight = {i: generate.submit(run, i) for i in rollout_ids[:window]}
-        for rollout_id in rollout_ids:
-            table = get(run, rollout_id, wait_for=[in_flight.pop(rollout_id)])
-            if rollout_id + window in rollout_ids:
-                in_flight[rollout_id + window] = generate.submit(run, rollout_id + window)
-            train_step(run, rollout_id, table)
-            if run.should_sync(rollout_id):
-                sync_weights(run, rollout_id, wait_for=[evaluation] if evaluation else None)
-            if run.should_evaluate(rollout_id + 1):
-                evaluation = evaluate.submit(run, rollout_id + 1, wait_for=[evaluation] if evaluation else None)
-            if run.should_save(rollout_id):
-                save_checkpoint(run, rollout_id)
+        for rollout_id in schedules.fully_async(run, STEPS):
             report.iteration_done(rollout_id)
-        if evaluation is not None:
-            evaluation.result()
-        if rollout_ids:
+        if run.rollout_ids():
             report.finish()
     return report.summary()
-
-
-if __name__ == "__main__":
-    from flows.runtime import configure_prefect
-
-    configure_prefect()
-    print(fully_async_rl(RunConfig()))

@@ -14,20 +14,20 @@
 An adapter's final rollout is pushed only for its final evaluation. Each adapter has its own directory, progress,
 metrics table and summary in the UI; a run dir that holds adapter checkpoints resumes each adapter after its
 latest one.
+
+The schedule is written once, `miles.schedules.multi_lora`, over the tasks; `miles.loop.run_multi_lora` runs it without Prefect.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 from prefect import flow
-from prefect.futures import PrefectFuture, as_completed
 
 from flows.report import RunReport
 from flows.runtime import check_deployment_imports
+from miles import schedules
 from miles.config import RunConfig
-from miles.multi_lora import AdapterRun, MultiLoRARun
-from tasks import evaluate, generate, get, push_adapter, retire_adapter, save_checkpoint, train_step
+from miles.multi_lora import MultiLoRARun
+from tasks import STEPS
 
 
 @flow(name="rl-multi-lora")
@@ -36,51 +36,8 @@ def multi_lora(config: RunConfig) -> dict:
     with MultiLoRARun(config) as run:
         adapters = run.active()
         reports = {adapter.name: RunReport(adapter, f"rl-multi-lora-{adapter.name}") for adapter in adapters}
-        for adapter, rollout_id in concurrently(adapters, submit_iteration):
+        for adapter, rollout_id in schedules.multi_lora(adapters, STEPS):
             reports[adapter.name].iteration_done(rollout_id)
         for adapter in adapters:
             reports[adapter.name].finish()
     return {name: report.summary() for name, report in reports.items()}
-
-
-def submit_iteration(adapter: AdapterRun, rollout_id: int) -> PrefectFuture:
-    """One rollout of one adapter as a chain of futures; returns the chain's last future."""
-    evaluation = evaluate.submit(adapter, rollout_id) if adapter.should_evaluate(rollout_id) else None
-    generated = generate.submit(adapter, rollout_id)
-    table = get.submit(adapter, rollout_id, wait_for=[generated])
-    last = train_step.submit(adapter, rollout_id, table)
-    # The adapter changes on the engines, and the chain ends, only after its evaluation.
-    evaluated = [evaluation] if evaluation is not None else []
-    if adapter.should_push(rollout_id):
-        last = push_adapter.submit(adapter, rollout_id, wait_for=[last, *evaluated])
-    if adapter.should_save(rollout_id):
-        last = save_checkpoint.submit(adapter, rollout_id, wait_for=[last, *evaluated])
-    if adapter.is_last(rollout_id):
-        if adapter.should_evaluate(rollout_id + 1):
-            last = evaluate.submit(adapter, rollout_id + 1, wait_for=[last])
-        last = retire_adapter.submit(adapter, wait_for=[last, *evaluated])
-    return last
-
-
-def concurrently(
-    adapters: list[AdapterRun], submit: Callable[[AdapterRun, int], PrefectFuture]
-) -> Iterator[tuple[AdapterRun, int]]:
-    """Each adapter's rollouts in order, the adapters side by side: an adapter's next rollout is submitted when its
-    previous one ends. Yields (adapter, rollout_id) as each ends; a chain that failed past its retries raises."""
-    in_flight = {
-        submit(adapter, adapter.rollout_ids().start): (adapter, adapter.rollout_ids().start) for adapter in adapters
-    }
-    while in_flight:
-        future = next(as_completed(list(in_flight)))
-        adapter, rollout_id = in_flight.pop(future)
-        future.result()
-        yield adapter, rollout_id
-        if rollout_id + 1 in adapter.rollout_ids():
-            in_flight[submit(adapter, rollout_id + 1)] = (adapter, rollout_id + 1)
-
-
-if __name__ == "__main__":
-    from flows.runtime import configure_prefect
-
-    configure_prefect()
-    print(multi_lora(RunConfig()))

@@ -10,6 +10,8 @@
     evaluate(num_rollout)                    # the final weights
 
 A run directory that already holds checkpoints resumes after the latest one.
+
+The schedule is written once, `miles.schedules.sync`, over the tasks; `miles.loop.run_sync` runs it without Prefect.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from prefect import flow
 
 from flows.report import RunReport
 from flows.runtime import check_deployment_imports
+from miles import schedules
 from miles.config import RunConfig
 from miles.run import RLRun
-from tasks import evaluate, generate, get, save_checkpoint, sync_weights, train_step
+from tasks import STEPS
 
 
 @flow(name="rl-sync")
@@ -28,26 +31,8 @@ def sync_rl(config: RunConfig) -> dict:
     check_deployment_imports(config)
     with RLRun(config) as run:
         report = RunReport(run, "rl-sync")
-        for rollout_id in run.rollout_ids():
-            if run.should_evaluate(rollout_id):
-                evaluate(run, rollout_id)
-            generate(run, rollout_id)
-            table = get(run, rollout_id)
-            train_step(run, rollout_id, table)
-            if run.should_sync(rollout_id):
-                sync_weights(run, rollout_id)
-            if run.should_save(rollout_id):
-                save_checkpoint(run, rollout_id)
+        for rollout_id in schedules.sync(run, STEPS):
             report.iteration_done(rollout_id)
-        if run.should_evaluate(run.rollout_ids().stop):
-            evaluate(run, run.rollout_ids().stop)
         if run.rollout_ids():
             report.finish()
     return report.summary()
-
-
-if __name__ == "__main__":
-    from flows.runtime import configure_prefect
-
-    configure_prefect()
-    print(sync_rl(RunConfig()))

@@ -1,98 +1,81 @@
-"""The RL loops in plain Python: the same calls the Prefect flows make, without Prefect."""
+"""The RL loops in plain Python: each flow graph's schedule (miles.schedules) over steps that call the run here,
+without Prefect. A submitted step runs on a thread of this process, as a Prefect task runs on the flow's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
+from miles import schedules
 from miles.config import RunConfig
-from miles.multi_lora import AdapterRun, MultiLoRARun
-from miles.run import RLRun, check_fully_async
+from miles.multi_lora import MultiLoRARun
+from miles.run import RLRun, check_fully_async, check_off_policy_correction
+from miles.schedules import Steps
+
+# Threads for submitted steps: a chain waiting on its upstream holds one, as a Prefect task runner's worker does.
+STEP_THREADS = 16
 
 
-def sync_iteration(run: RLRun, rollout_id: int) -> None:
-    if run.should_evaluate(rollout_id):
-        run.evaluate(rollout_id)
-    run.generate(rollout_id)
-    table = run.get(rollout_id)
-    run.train(rollout_id, table)
-    if run.should_sync(rollout_id):
-        run.sync_weights(rollout_id)
-    if run.should_save(rollout_id):
-        run.save_checkpoint(rollout_id)
+class PlainStep:
+    """A step run in this process: `call(run, *args)` once the futures in `wait_for` are done (an upstream
+    failure is raised here, as a Prefect task's upstream failure stops it)."""
+
+    def __init__(self, call: Callable[..., Any], threads: ThreadPoolExecutor):
+        self.call = call
+        self.threads = threads
+
+    def __call__(self, run: Any, *args: Any, wait_for: list | None = None) -> Any:
+        for upstream in wait_for or ():
+            upstream.result()
+        return self.call(run, *args)
+
+    def submit(self, run: Any, *args: Any, wait_for: list | None = None) -> Future:
+        return self.threads.submit(self, run, *args, wait_for=wait_for)
+
+
+@contextmanager
+def plain_steps() -> Iterator[Steps]:
+    """Every step as the run's own call; submitted steps run on threads that end with the block."""
+    with ThreadPoolExecutor(STEP_THREADS, thread_name_prefix="step") as threads:
+        yield Steps(
+            evaluate=PlainStep(lambda run, rollout_id: run.evaluate(rollout_id), threads),
+            generate=PlainStep(lambda run, rollout_id: run.generate(rollout_id), threads),
+            get=PlainStep(lambda run, rollout_id: run.get(rollout_id), threads),
+            train_step=PlainStep(lambda run, rollout_id, table: run.train(rollout_id, _resolved(table)), threads),
+            sync_weights=PlainStep(lambda run, rollout_id: run.sync_weights(rollout_id), threads),
+            save_checkpoint=PlainStep(lambda run, rollout_id: run.save_checkpoint(rollout_id), threads),
+            push_adapter=PlainStep(lambda run, rollout_id: run.push_adapter(rollout_id), threads),
+            retire_adapter=PlainStep(lambda run: run.retire(), threads),
+        )
+
+
+def _resolved(value: Any) -> Any:
+    """A future passed as an argument is its result, as Prefect resolves a future among a task's arguments."""
+    return value.result() if isinstance(value, Future) else value
 
 
 def run_sync(config: RunConfig) -> list[dict[str, Any]]:
-    with RLRun(config) as run:
-        records = []
-        for rollout_id in run.rollout_ids():
-            sync_iteration(run, rollout_id)
-            records.append(run.finish_iteration(rollout_id))
-        if run.should_evaluate(run.rollout_ids().stop):
-            run.evaluate(run.rollout_ids().stop)
-        return records
+    with RLRun(config) as run, plain_steps() as steps:
+        return [run.finish_iteration(rollout_id) for rollout_id in schedules.sync(run, steps)]
+
+
+def run_async(config: RunConfig) -> list[dict[str, Any]]:
+    check_off_policy_correction(config)
+    with RLRun(config) as run, plain_steps() as steps:
+        return [run.finish_iteration(rollout_id) for rollout_id in schedules.one_step_off_policy(run, steps)]
 
 
 def run_fully_async(config: RunConfig) -> list[dict[str, Any]]:
     check_fully_async(config)
-    with RLRun(config) as run:
-        return list(fully_async_iterations(run))
-
-
-def fully_async_iterations(run: RLRun) -> Iterator[dict[str, Any]]:
-    """flows.fully_async_rl without Prefect: up to rollout.max_rollouts_in_flight generations run ahead (threads),
-    pushes land while they run. Yields each iteration's record."""
-    window = run.config.rollout.max_rollouts_in_flight
-    rollout_ids = run.rollout_ids()
-    with ThreadPoolExecutor(window + 1, thread_name_prefix="rollout") as threads:
-        evaluation = threads.submit(run.evaluate, rollout_ids.start) if run.should_evaluate(rollout_ids.start) else None
-        in_flight = {i: threads.submit(run.generate, i) for i in rollout_ids[:window]}
-        for rollout_id in rollout_ids:
-            in_flight.pop(rollout_id).result()
-            table = run.get(rollout_id)
-            if rollout_id + window in rollout_ids:
-                in_flight[rollout_id + window] = threads.submit(run.generate, rollout_id + window)
-            run.train(rollout_id, table)
-            if run.should_sync(rollout_id):
-                if evaluation is not None:
-                    evaluation.result()  # an evaluation sees one version of the weights
-                run.sync_weights(rollout_id)
-            if run.should_evaluate(rollout_id + 1):
-                evaluation = threads.submit(run.evaluate, rollout_id + 1)
-            if run.should_save(rollout_id):
-                run.save_checkpoint(rollout_id)
-            yield run.finish_iteration(rollout_id)
-        if evaluation is not None:
-            evaluation.result()
-
-
-def adapter_iteration(adapter: AdapterRun, rollout_id: int) -> None:
-    """One rollout of one adapter; after its last rollout (and final evaluation) it retires."""
-    if adapter.should_evaluate(rollout_id):
-        adapter.evaluate(rollout_id)
-    adapter.generate(rollout_id)
-    table = adapter.get(rollout_id)
-    adapter.train(rollout_id, table)
-    if adapter.should_push(rollout_id):
-        adapter.push_adapter(rollout_id)
-    if adapter.should_save(rollout_id):
-        adapter.save_checkpoint(rollout_id)
-    if adapter.is_last(rollout_id):
-        if adapter.should_evaluate(rollout_id + 1):
-            adapter.evaluate(rollout_id + 1)
-        adapter.retire()
+    with RLRun(config) as run, plain_steps() as steps:
+        return [run.finish_iteration(rollout_id) for rollout_id in schedules.fully_async(run, steps)]
 
 
 def run_multi_lora(config: RunConfig) -> dict[str, list[dict[str, Any]]]:
-    """The adapters take turns, one rollout each, until every adapter has trained its rollouts."""
-    with MultiLoRARun(config) as run:
+    with MultiLoRARun(config) as run, plain_steps() as steps:
         records: dict[str, list[dict[str, Any]]] = {name: [] for name in run.adapters}
-        pending = {adapter.name: list(adapter.rollout_ids()) for adapter in run.active()}
-        while any(pending.values()):
-            for name, rollout_ids in pending.items():
-                if rollout_ids:
-                    rollout_id = rollout_ids.pop(0)
-                    adapter_iteration(run.adapters[name], rollout_id)
-                    records[name].append(run.adapters[name].finish_iteration(rollout_id))
+        for adapter, rollout_id in schedules.multi_lora(run.active(), steps):
+            records[adapter.name].append(adapter.finish_iteration(rollout_id))
         return records

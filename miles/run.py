@@ -41,12 +41,13 @@ log = logging.getLogger(__name__)
 
 
 def check_inputs(config: RunConfig) -> PolicyInputs:
-    """Load the datasets (training and eval), resolve the rewards and the algorithm: everything that can reject the
-    input, before any work."""
+    """Load the datasets (training and eval), resolve the rewards, the algorithm and the engine's weight transport:
+    everything that can reject the input, before any work."""
     if config.model.path is None and config.data.task is None:
         raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
     try:
         Algorithm.from_config(config.algo)
+        weight_transport(config.rollout)
         resolve_generate_fn(config)
         return PolicyInputs(config, load_rows(config.data), resolve_reward(config.data.reward), load_eval_sets(config))
     except ValueError as exc:
@@ -112,10 +113,7 @@ class RLRun:
         # Every node resolves the run directory alike, whatever its working directory.
         config = config.model_copy(update={"run_dir": str(Path(config.run_dir).resolve())})
         inputs = check_inputs(config)
-        try:
-            self.transport = weight_transport(config.rollout)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        self.transport = weight_transport(config.rollout)
         self.config = config
         self.run_dir = RunDir(config.run_dir).create()
         with ExitStack() as started:  # an error on the way releases what was taken so far

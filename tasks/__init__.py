@@ -1,5 +1,7 @@
-"""Prefect tasks: each is retries + a readable run name around one call into `miles`."""
+"""Prefect tasks: each is retries + a readable run name around one call into `miles`; `STEPS` are the steps every
+flow graph's schedule (miles.schedules) runs."""
 
+from miles.schedules import Steps
 from tasks.checkpoint import save_checkpoint
 from tasks.evaluate import evaluate
 from tasks.generate import generate
@@ -7,7 +9,19 @@ from tasks.get import get
 from tasks.train import train_step
 from tasks.weights import push_adapter, retire_adapter, sync_weights
 
+STEPS = Steps(
+    evaluate=evaluate,
+    generate=generate,
+    get=get,
+    train_step=train_step,
+    sync_weights=sync_weights,
+    save_checkpoint=save_checkpoint,
+    push_adapter=push_adapter,
+    retire_adapter=retire_adapter,
+)
+
 __all__ = [
+    "STEPS",
     "generate",
     "get",
     "train_step",

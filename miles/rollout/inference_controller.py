@@ -53,7 +53,7 @@ class InferenceController:
         self.engines = [self._start_engine() for _ in range(rollout.num_engines)]
 
     def _start_engine(self) -> ray.actor.ActorHandle:
-        return ray.remote(self._engine_class).options(**self._engine_options).remote(**self._engine_args)
+        return ray.remote(self.engine_class).options(**self._engine_options).remote(**self._engine_args)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order."""

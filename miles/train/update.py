@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
@@ -72,29 +73,10 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
     return total.tolist()
 
 
-def train_on_rollout(
-    model,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    table: pa.Table,
-    config: RunConfig,
-    device: torch.device,
-    pad_token_id: int,
-    reference: ReferenceLogprobs | None = None,
-) -> dict[str, float]:
-    """`num_passes` passes of samples / global_batch_size optimizer steps over the rollout; returns its metrics.
-
-    Per micro-batch: loss = aggregate(policy_loss * importance weight) + kl_loss_coef * aggregate(KL)
-    - entropy_coef * aggregate(entropy), each aggregate normalised over the micro-batch's global batch.
-
-    In a process group of N ranks (an FSDP-sharded model, gradients summed across ranks), each rank trains on its
-    share of every global batch (`rank_rows`); the aggregation's denominators and the metrics are summed over the
-    ranks, so the update and the metrics equal a single process's."""
-    started = time.perf_counter()
+def prepare_batch(table: pa.Table, config: RunConfig, pad_token_id: int) -> tuple[TrainBatch, int]:
+    """Stage 1, batch preparation: the rollout as padded tensors, this rank's share of every global batch
+    (`rank_rows`), each global batch longest first; with the rows per rank of one global batch."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    algo = config.algo
-    algorithm = Algorithm.from_config(algo)
-    aggregate = algorithm.loss_aggregation
     batch = batch_from_table(table, pad_token_id)
     gbs = config.train.global_batch_size
     if gbs % world:
@@ -107,71 +89,202 @@ def train_on_rollout(
             )
         )
     local_gbs = gbs // world
-    batch = batch.by_length(local_gbs)
-    mbs = min(config.train.micro_batch_size, local_gbs)
-    mask_all = batch.response_mask.to(device)
-    rollout_lp = batch.rollout_logprobs.to(device)
-    # The policy before this rollout's first step: the first global batch's forward passes run before that
-    # step, so they give its rows for free. The other rows need a forward now, before any step, when the loss uses
-    # them (as the old policy, or for the off-policy weight); otherwise the trainer-vs-rollout metrics cover the
-    # first batch only.
-    trainer_lp = torch.zeros_like(rollout_lp)
+    return batch.by_length(local_gbs), local_gbs
+
+
+@dataclass
+class PolicyLogprobs:
+    """Stage 2, the log-probs the loss compares the policy with, per token of the batch ([B, T]): the engine's
+    (`rollout`), the trainer's before this rollout's first step (`old`), the reference policy's (`reference`).
+
+    `old` of the first global batch is filled by that batch's own forward passes, which run before the first step
+    and so give it for free (`fill_old`); the other rows get a forward now, before any step, when the loss uses
+    them (as the old policy, or for the off-policy weight). Otherwise the trainer-vs-rollout metrics cover the
+    first global batch only (`measured`)."""
+
+    rollout: torch.Tensor
+    old: torch.Tensor
+    reference: torch.Tensor | None
+    measured: slice
+    use_rollout_logprobs: bool
+
+    def old_policy(self, rows: tuple[slice, slice]) -> torch.Tensor:
+        """The old policy of the ratio: the engine's log-probs (algo.use_rollout_logprobs) or the trainer's."""
+        return self.rollout[rows] if self.use_rollout_logprobs else self.old[rows]
+
+    def fill_old(self, rows: tuple[slice, slice], logprobs: torch.Tensor) -> None:
+        self.old[rows] = logprobs.detach()
+
+
+def policy_logprobs(
+    model,
+    batch: TrainBatch,
+    local_gbs: int,
+    config: RunConfig,
+    device: torch.device,
+    reference: ReferenceLogprobs | None,
+) -> PolicyLogprobs:
+    algo = config.algo
+    rollout = batch.rollout_logprobs.to(device)
+    old = torch.zeros_like(rollout)
     needs_old_policy = not algo.use_rollout_logprobs or algo.corrects_off_policy
     if len(batch) > local_gbs and needs_old_policy:
-        trainer_lp[local_gbs:] = batch_logprobs(model, batch.rows(slice(local_gbs, None)), config, device)
-    measured = slice(None) if needs_old_policy else slice(0, local_gbs)
-    ref_lp = reference(batch) if reference is not None else None
+        old[local_gbs:] = batch_logprobs(model, batch.rows(slice(local_gbs, None)), config, device)
+    return PolicyLogprobs(
+        rollout=rollout,
+        old=old,
+        reference=reference(batch) if reference is not None else None,
+        measured=slice(None) if needs_old_policy else slice(0, local_gbs),
+        use_rollout_logprobs=algo.use_rollout_logprobs,
+    )
 
+
+def micro_batch_loss(
+    logp: torch.Tensor,
+    log_softmax: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rows: tuple[slice, slice],
+    logprobs: PolicyLogprobs,
+    algo: AlgoConfig,
+    algorithm: Algorithm,
+    scale: LossScale,
+    sums: dict[str, float],
+) -> torch.Tensor:
+    """Stage 4, the loss of one micro-batch: aggregate(policy_loss * importance weight) + kl_loss_coef *
+    aggregate(KL) - entropy_coef * aggregate(entropy), each aggregate normalised over the micro-batch's global batch
+    (`scale`); adds the micro-batch's metric sums to `sums`."""
+    aggregate = algorithm.loss_aggregation
+    old_lp = logprobs.old_policy(rows)
+    pg, clipped = algorithm.policy_loss(logp, old_lp, advantages, mask, algo)
+    if algo.corrects_off_policy:
+        pg = pg * importance_weights(logprobs.old[rows], logprobs.rollout[rows], mask, algo)[0]
+    loss = aggregate(pg, mask, scale)
+    if algo.use_kl_loss:
+        kl = algorithm.kl_estimator(logp, logprobs.reference[rows])
+        loss = loss + algo.kl_loss_coef * aggregate(kl, mask, scale)
+        sums["kl_ref"] += float((kl.detach() * mask).sum())
+    if algo.entropy_coef:
+        entropy = token_entropy(log_softmax, mask)
+        loss = loss - algo.entropy_coef * aggregate(entropy, mask, scale)
+    else:  # a metric only: no graph
+        with torch.no_grad():
+            entropy = token_entropy(log_softmax.detach(), mask)
+    sums["pg_loss"] += float((pg.detach() * mask).sum())
+    sums["entropy"] += float((entropy.detach() * mask).sum())
+    sums["ppo_kl"] += float(((old_lp - logp.detach()) * mask).sum())
+    sums["clipped"] += float((clipped * mask).sum())
+    sums["tokens"] += float(mask.sum())
+    return loss
+
+
+def optimizer_step(
+    model,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    batch: TrainBatch,
+    step_rows: slice,
+    first_pass: bool,
+    logprobs: PolicyLogprobs,
+    config: RunConfig,
+    algorithm: Algorithm,
+    device: torch.device,
+    sums: dict[str, float],
+) -> tuple[float, float]:
+    """Stage 5, one optimizer step over one global batch (this rank's `step_rows` of it): per micro-batch the
+    forward, the per-token advantages (stage 3, `token_advantages`), the loss (stage 4) and its backward; then the
+    gradient clip and the step. Returns the step's loss and gradient norm."""
+    algo = config.algo
+    mask_all = batch.response_mask
+    (step_tokens,) = _all_reduce_sum([float(mask_all[step_rows].sum())])
+    scale = LossScale(
+        tokens=max(step_tokens, 1.0), sequences=config.train.global_batch_size, horizon=config.rollout.max_model_tokens
+    )
+    mbs = min(config.train.micro_batch_size, step_rows.stop - step_rows.start)
+    optimizer.zero_grad(set_to_none=True)
+    step_loss = 0.0
+    for m in range(step_rows.start, step_rows.stop, mbs):
+        mb = batch.rows(slice(m, m + mbs)).trimmed()
+        rows = (slice(m, m + mbs), slice(0, mb.tokens.shape[1]))  # the micro-batch's rows and columns
+        tokens = mb.tokens.to(device)
+        mask = mask_all[rows].to(device).float()
+        logits = model(input_ids=tokens, attention_mask=mb.attention_mask.to(device)).logits
+        log_softmax = next_token_log_softmax(logits, config.rollout.temperature)
+        logp = picked_logprobs(log_softmax, tokens)
+        if first_pass and step_rows.start == 0:
+            logprobs.fill_old(rows, logp)
+        reference = logprobs.reference[rows] if logprobs.reference is not None else None
+        advantages = token_advantages(
+            mb.advantages.to(device), mask, algo, algorithm, logprobs.old_policy(rows), reference
+        )
+        loss = micro_batch_loss(logp, log_softmax, advantages, mask, rows, logprobs, algo, algorithm, scale, sums)
+        loss.backward()
+        step_loss += float(loss.detach())
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.grad_clip)
+    # sharded parameters give the norm as a DTensor; its full value is the global norm
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    optimizer.step()
+    return step_loss, grad_norm
+
+
+def train_on_rollout(
+    model,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    table: pa.Table,
+    config: RunConfig,
+    device: torch.device,
+    pad_token_id: int,
+    reference: ReferenceLogprobs | None = None,
+) -> dict[str, float]:
+    """`num_passes` passes of samples / global_batch_size optimizer steps over the rollout; returns its metrics.
+    In stages: batch preparation -> old and reference log-probs -> per optimizer step and micro-batch, per-token
+    advantages -> loss -> the optimizer step.
+
+    In a process group of N ranks (an FSDP-sharded model, gradients summed across ranks), each rank trains on its
+    share of every global batch (`rank_rows`); the aggregation's denominators and the metrics are summed over the
+    ranks, so the update and the metrics equal a single process's."""
+    started = time.perf_counter()
+    algorithm = Algorithm.from_config(config.algo)
+    batch, local_gbs = prepare_batch(table, config, pad_token_id)
+    logprobs = policy_logprobs(model, batch, local_gbs, config, device, reference)
     sums = dict(pg_loss=0.0, kl_ref=0.0, entropy=0.0, ppo_kl=0.0, clipped=0.0, tokens=0.0)
     step_losses, grad_norms = [], []
     for pass_ in range(config.train.num_passes):
         for start in range(0, len(batch), local_gbs):
-            (step_tokens,) = _all_reduce_sum([float(mask_all[start : start + local_gbs].sum())])
-            scale = LossScale(tokens=max(step_tokens, 1.0), sequences=gbs, horizon=config.rollout.max_model_tokens)
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for m in range(start, start + local_gbs, mbs):
-                mb = batch.rows(slice(m, m + mbs)).trimmed()
-                rows = (slice(m, m + mbs), slice(0, mb.tokens.shape[1]))  # the micro-batch's rows and columns
-                tokens = mb.tokens.to(device)
-                mask = mask_all[rows].float()
-                logits = model(input_ids=tokens, attention_mask=mb.attention_mask.to(device)).logits
-                log_softmax = next_token_log_softmax(logits, config.rollout.temperature)
-                logp = picked_logprobs(log_softmax, tokens)
-                if pass_ == 0 and start == 0:
-                    trainer_lp[rows] = logp.detach()
-                old_lp = rollout_lp[rows] if algo.use_rollout_logprobs else trainer_lp[rows]
-                ref_rows = ref_lp[rows] if ref_lp is not None else None
-                advantages = token_advantages(mb.advantages.to(device), mask, algo, algorithm, old_lp, ref_rows)
-                pg, clipped = algorithm.policy_loss(logp, old_lp, advantages, mask, algo)
-                if algo.corrects_off_policy:
-                    pg = pg * importance_weights(trainer_lp[rows], rollout_lp[rows], mask, algo)[0]
-                loss = aggregate(pg, mask, scale)
-                if algo.use_kl_loss:
-                    kl = algorithm.kl_estimator(logp, ref_rows)
-                    loss = loss + algo.kl_loss_coef * aggregate(kl, mask, scale)
-                    sums["kl_ref"] += float((kl.detach() * mask).sum())
-                if algo.entropy_coef:
-                    entropy = token_entropy(log_softmax, mask)
-                    loss = loss - algo.entropy_coef * aggregate(entropy, mask, scale)
-                else:  # a metric only: no graph
-                    with torch.no_grad():
-                        entropy = token_entropy(log_softmax.detach(), mask)
-                loss.backward()
-                step_loss += float(loss.detach())
-                sums["pg_loss"] += float((pg.detach() * mask).sum())
-                sums["entropy"] += float((entropy.detach() * mask).sum())
-                sums["ppo_kl"] += float(((old_lp - logp.detach()) * mask).sum())
-                sums["clipped"] += float((clipped * mask).sum())
-                sums["tokens"] += float(mask.sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.grad_clip)
-            # sharded parameters give the norm as a DTensor; its full value is the global norm
-            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            step_loss, grad_norm = optimizer_step(
+                model,
+                optimizer,
+                params,
+                batch,
+                slice(start, start + local_gbs),
+                pass_ == 0,
+                logprobs,
+                config,
+                algorithm,
+                device,
+                sums,
+            )
             step_losses.append(step_loss)
-            optimizer.step()
+            grad_norms.append(grad_norm)
+    metrics = rollout_metrics(batch, logprobs, config.algo, sums, step_losses, grad_norms)
+    metrics["train_seconds"] = time.perf_counter() - started
+    return metrics
 
-    mask_f = mask_all.float()[measured]
-    gap = (trainer_lp - rollout_lp)[measured]
+
+def rollout_metrics(
+    batch: TrainBatch,
+    logprobs: PolicyLogprobs,
+    algo: AlgoConfig,
+    sums: dict[str, float],
+    step_losses: list[float],
+    grad_norms: list[float],
+) -> dict[str, float]:
+    """The rollout's metrics, summed over the ranks: per-token means of the loss terms, and how far the trainer's
+    log-probs are from the engine's on the measured rows."""
+    measured = logprobs.measured
+    mask_f = batch.response_mask.to(logprobs.old.device).float()[measured]
+    gap = (logprobs.old - logprobs.rollout)[measured]
     local = {
         **sums,
         "step_losses": sum(step_losses),
@@ -180,7 +293,7 @@ def train_on_rollout(
         "gap": float((gap * mask_f).sum()),
     }
     if algo.corrects_off_policy:
-        weights, changed = importance_weights(trainer_lp[measured], rollout_lp[measured], mask_f, algo)
+        weights, changed = importance_weights(logprobs.old[measured], logprobs.rollout[measured], mask_f, algo)
         local["tis_weights"] = float((weights * mask_f).sum())
         local["tis_changed"] = float((changed * mask_f).sum())
     total = dict(zip(local, _all_reduce_sum(list(local.values())), strict=True))
@@ -197,7 +310,6 @@ def train_on_rollout(
         "train_rollout_logprob_abs_diff": total["abs_gap"] / measured_tokens,
         # k1 estimate of KL(rollout policy || trainer policy) on the sampled tokens.
         "train_rollout_kl": -total["gap"] / measured_tokens,
-        "train_seconds": time.perf_counter() - started,
     }
     if algo.use_kl_loss:
         metrics["kl_ref"] = total["kl_ref"] / tokens

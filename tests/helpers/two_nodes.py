@@ -10,8 +10,9 @@ import sys
 import ray
 from ray.cluster_utils import Cluster
 
+from miles import schedules
 from miles.config import load_config
-from miles.loop import sync_iteration
+from miles.loop import plain_steps
 from miles.run import RLRun
 from miles.run_dir import RunDir
 from tests.helpers import small_overrides
@@ -34,14 +35,13 @@ def main(model_dir: str, run_dir: str) -> None:
         ray_address=cluster.address,
     )
     try:
-        with RLRun(config) as run:
+        with RLRun(config) as run, plain_steps() as steps:
             placed = {
                 "engine_nodes": [node_of(engine) for engine in run.controller.engines],
                 "trainer_nodes": [node_of(worker) for worker in run.trainer.handles],
                 "cluster_nodes": len(ray.nodes()),
             }
-            for rollout_id in run.rollout_ids():
-                sync_iteration(run, rollout_id)
+            for rollout_id in schedules.sync(run, steps):
                 run.finish_iteration(rollout_id)
         placed["trained"] = sorted(RunDir(run_dir).ledger().trained)
         print(json.dumps(placed))

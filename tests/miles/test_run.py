@@ -13,9 +13,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer
 
+from miles import schedules
 from miles.checkpoint import latest_checkpoint, read_state
 from miles.config import ConfigError
-from miles.loop import run_sync, sync_iteration
+from miles.loop import plain_steps, run_sync
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.run import RLRun
 from miles.run_dir import RunDir
@@ -161,7 +162,16 @@ def test_every_weight_transport_trains_as_the_object_store_does(small_config, un
 
 
 def test_iterations_per_run_trains_a_slice_then_the_next_run_resumes(ray_session, small_config):
-    config = small_config("iterations_per_run=2", num_rollout=5, save_interval=100)
+    """Slices of 2 rollouts, weights pushed every 3: each slice's closing evaluation (every 2 rollouts) still sees the
+    weights its slice trained, so the engines get them at the slice's end whatever the push interval."""
+    config = small_config(
+        "iterations_per_run=2",
+        "update_weights_interval=3",
+        "eval.interval=2",
+        "eval.datasets=[{name: sums, task: addition, max_prompts: 8}]",
+        num_rollout=5,
+        save_interval=100,
+    )
     first = run_sync(config)
     assert [r["rollout_id"] for r in first] == [0, 1]
     assert (
@@ -170,6 +180,8 @@ def test_iterations_per_run_trains_a_slice_then_the_next_run_resumes(ray_session
     assert [r["rollout_id"] for r in run_sync(config)] == [2, 3]
     assert [r["rollout_id"] for r in run_sync(config)] == [4]
     assert [m["rollout_id"] for m in _metrics(config.run_dir)] == [0, 1, 2, 3, 4]
+    evaluations = RunDir(config.run_dir).evaluations()
+    assert [(r["rollout_id"], r["weight_version"]) for r in evaluations] == [(0, 0), (2, 2), (4, 4), (5, 5)]
 
 
 def test_a_checkpoint_saved_by_two_workers_resumes_on_one_and_back(small_config, uninterrupted_weights):
@@ -303,9 +315,9 @@ def test_evaluations_run_on_schedule_once_each_across_a_stop_and_resume(ray_sess
     sums = _sums_file(tmp_path / "sums.jsonl")
     eval_sets = f"eval.datasets=[{{name: sums, path: {sums}, n_samples_per_prompt: 4, temperature: 1.0}}, {{name: greedy, task: addition, max_prompts: 16}}]"
     config = small_config("eval.interval=2", eval_sets, num_rollout=5, save_interval=2)
-    with RLRun(config) as run:
+    with RLRun(config) as run, plain_steps() as steps:
         for rollout_id in range(4):
-            sync_iteration(run, rollout_id)
+            schedules.sync_iteration(run, steps, rollout_id)
             run.finish_iteration(rollout_id)
         stopped_at = run.evaluate(4)
         assert not run.should_evaluate(4)  # done: a retry of the task returns the records

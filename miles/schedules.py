@@ -1,0 +1,145 @@
+"""Each flow graph's schedule, written once: which steps run for each rollout, in what order, and what runs beside
+what. A schedule runs over `Steps`: the Prefect tasks (the flows in flows/) or the plain steps (miles.loop), so a
+flow and its plain loop are one schedule, and give the same rollouts and weights.
+
+A step is called as `step(run, *args, wait_for=[...])`, which runs it once the futures in `wait_for` are done and
+returns its result, or submitted as `step.submit(run, *args, wait_for=[...])`, which returns a future (`result()`,
+`add_done_callback(fn)`). Each schedule is a generator: it yields a policy's rollout_id when that iteration is done
+(the single-policy graphs yield the rollout_id, the multi-LoRA graph `(adapter, rollout_id)`), and the caller
+finishes the iteration (its metrics line, its row in the UI).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from miles.multi_lora import AdapterRun
+from miles.run import RLRun
+
+
+class Step(Protocol):
+    def __call__(self, run: Any, *args: Any, wait_for: list | None = None) -> Any: ...
+
+    def submit(self, run: Any, *args: Any, wait_for: list | None = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The steps of every graph; each is one call into the run (RLRun or AdapterRun) of the same name."""
+
+    evaluate: Step
+    generate: Step
+    get: Step
+    train_step: Step
+    sync_weights: Step
+    save_checkpoint: Step
+    push_adapter: Step
+    retire_adapter: Step
+
+
+def sync_iteration(run: RLRun, steps: Steps, rollout_id: int) -> None:
+    """One iteration of the rl-sync graph: evaluate (when due) -> generate -> get -> train -> sync -> save."""
+    if run.should_evaluate(rollout_id):
+        steps.evaluate(run, rollout_id)
+    steps.generate(run, rollout_id)
+    table = steps.get(run, rollout_id)
+    steps.train_step(run, rollout_id, table)
+    if run.should_sync(rollout_id):
+        steps.sync_weights(run, rollout_id)
+    if run.should_save(rollout_id):
+        steps.save_checkpoint(run, rollout_id)
+
+
+def sync(run: RLRun, steps: Steps) -> Iterator[int]:
+    """rl-sync: the iterations one after another, then the evaluation of the final weights."""
+    for rollout_id in run.rollout_ids():
+        sync_iteration(run, steps, rollout_id)
+        yield rollout_id
+    if run.should_evaluate(run.rollout_ids().stop):
+        steps.evaluate(run, run.rollout_ids().stop)
+
+
+def one_step_off_policy(run: RLRun, steps: Steps) -> Iterator[int]:
+    """rl-async: rollout i+1 is generated while the trainer trains on rollout i; a sync waits for the generation and
+    the evaluation in flight, so the engines never change weights in the middle of either."""
+    rollout_ids = run.rollout_ids()
+    evaluation = steps.evaluate.submit(run, rollout_ids.start) if run.should_evaluate(rollout_ids.start) else None
+    next_rollout = steps.generate.submit(run, rollout_ids.start) if rollout_ids else None
+    for rollout_id in rollout_ids:
+        table = steps.get(run, rollout_id, wait_for=[next_rollout])
+        next_rollout = steps.generate.submit(run, rollout_id + 1) if rollout_id + 1 in rollout_ids else None
+        steps.train_step(run, rollout_id, table)
+        if run.should_sync(rollout_id):
+            in_flight = [future for future in (next_rollout, evaluation) if future is not None]
+            steps.sync_weights(run, rollout_id, wait_for=in_flight)
+        if run.should_evaluate(rollout_id + 1):
+            evaluation = steps.evaluate.submit(run, rollout_id + 1, wait_for=[evaluation] if evaluation else None)
+        if run.should_save(rollout_id):
+            steps.save_checkpoint(run, rollout_id)
+        yield rollout_id
+    if evaluation is not None:
+        evaluation.result()
+
+
+def fully_async(run: RLRun, steps: Steps) -> Iterator[int]:
+    """rl-fully-async: up to rollout.max_rollouts_in_flight generations run ahead of training, and weight pushes land
+    in the middle of them (only an evaluation is waited for, so that it sees one version of the weights)."""
+    rollout_ids = run.rollout_ids()
+    window = run.config.rollout.max_rollouts_in_flight
+    evaluation = steps.evaluate.submit(run, rollout_ids.start) if run.should_evaluate(rollout_ids.start) else None
+    in_flight = {i: steps.generate.submit(run, i) for i in rollout_ids[:window]}
+    for rollout_id in rollout_ids:
+        table = steps.get(run, rollout_id, wait_for=[in_flight.pop(rollout_id)])
+        if rollout_id + window in rollout_ids:
+            in_flight[rollout_id + window] = steps.generate.submit(run, rollout_id + window)
+        steps.train_step(run, rollout_id, table)
+        if run.should_sync(rollout_id):
+            steps.sync_weights(run, rollout_id, wait_for=[evaluation] if evaluation else None)
+        if run.should_evaluate(rollout_id + 1):
+            evaluation = steps.evaluate.submit(run, rollout_id + 1, wait_for=[evaluation] if evaluation else None)
+        if run.should_save(rollout_id):
+            steps.save_checkpoint(run, rollout_id)
+        yield rollout_id
+    if evaluation is not None:
+        evaluation.result()
+
+
+def adapter_iteration(adapter: AdapterRun, steps: Steps, rollout_id: int) -> Any:
+    """One rollout of one adapter as a chain of futures; returns the chain's last future. The adapter changes on
+    the engines, and the chain ends, only after its evaluation; after its last rollout it retires."""
+    evaluation = steps.evaluate.submit(adapter, rollout_id) if adapter.should_evaluate(rollout_id) else None
+    generated = steps.generate.submit(adapter, rollout_id)
+    table = steps.get.submit(adapter, rollout_id, wait_for=[generated])
+    last = steps.train_step.submit(adapter, rollout_id, table)
+    evaluated = [evaluation] if evaluation is not None else []
+    if adapter.should_push(rollout_id):
+        last = steps.push_adapter.submit(adapter, rollout_id, wait_for=[last, *evaluated])
+    if adapter.should_save(rollout_id):
+        last = steps.save_checkpoint.submit(adapter, rollout_id, wait_for=[last, *evaluated])
+    if adapter.is_last(rollout_id):
+        if adapter.should_evaluate(rollout_id + 1):
+            last = steps.evaluate.submit(adapter, rollout_id + 1, wait_for=[last])
+        last = steps.retire_adapter.submit(adapter, wait_for=[last, *evaluated])
+    return last
+
+
+def multi_lora(adapters: list[AdapterRun], steps: Steps) -> Iterator[tuple[AdapterRun, int]]:
+    """rl-multi-lora: each adapter's rollouts in order, the adapters side by side: an adapter's next rollout is
+    submitted when its previous one ends. Yields (adapter, rollout_id) as each ends; a chain that failed raises."""
+    ended: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(adapter: AdapterRun, rollout_id: int) -> None:
+        chain = adapter_iteration(adapter, steps, rollout_id)
+        chain.add_done_callback(lambda future: ended.put((future, adapter, rollout_id)))
+
+    for adapter in adapters:
+        submit(adapter, adapter.rollout_ids().start)
+    for _ in range(sum(len(adapter.rollout_ids()) for adapter in adapters)):
+        future, adapter, rollout_id = ended.get()
+        future.result()
+        yield adapter, rollout_id
+        if rollout_id + 1 in adapter.rollout_ids():
+            submit(adapter, rollout_id + 1)
