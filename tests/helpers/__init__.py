@@ -101,8 +101,9 @@ def weights_push(rollout, model_dir, weights: dict, version: int, directory):
     model directory (under `directory`, one per version) for SGLang."""
     import ray
 
+    from miles.engines import weight_transport
     from miles.rollout.weight_transport import DiskPush, ObjectStorePush
 
-    if rollout.transport == "disk":
+    if weight_transport(rollout) == "disk":
         return DiskPush(weights_directory(model_dir, weights, Path(directory) / str(version)), version)
     return ObjectStorePush(ray.put(weights), version)
