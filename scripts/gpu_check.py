@@ -25,12 +25,12 @@ from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models.tiny import build_tiny_model, build_tokenizer
 from miles.rewards import resolve_reward
-from miles.rollout.schema import samples_table
 from miles.train.actor import TrainActor
 from miles.train.algorithms.advantages import grpo
 from miles.train.batch import batch_from_table
 from miles.train.lora import LoRATrainActor
 from miles.train.update import batch_logprobs
+from tests.helpers.samples import completions_table
 
 DEVICE = "cuda"
 
@@ -61,17 +61,8 @@ def _requests(tokenizer, count: int, group: int, max_new: int, stop: bool, adapt
 
 def _table(requests, results, rewards, group: int) -> pa.Table:
     n = len(results)
-    return samples_table(
-        requests,
-        results,
-        rollout_id=0,
-        first_index=0,
-        group_index=[i // group for i in range(n)],
-        raw_reward=rewards,
-        status=["completed"] * n,
-        label=[""] * n,
-        advantage=grpo(torch.tensor(rewards, dtype=torch.float64), torch.arange(n) // group).tolist(),
-    )
+    advantages = grpo(torch.tensor(rewards, dtype=torch.float64), torch.arange(n) // group).tolist()
+    return completions_table(requests, results, rewards, [i // group for i in range(n)], advantages)
 
 
 def _logprob_gap(model, table: pa.Table, config) -> float:

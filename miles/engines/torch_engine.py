@@ -161,10 +161,6 @@ class TorchEngine:
             self._state.notify_all()
         self._loop.join(timeout=30)
 
-    def update_weight_version(self, version: int) -> None:
-        """Name the weights the engine holds `version` (after loading them inside `paused`, as a server does)."""
-        self._weight_version = version
-
     @torch.inference_mode()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         if self._adapter_versions:

@@ -73,6 +73,25 @@ class SampleRecord:
                 f"({min(self.weight_versions)})"
             )
 
+    @classmethod
+    def completion(
+        cls, prompt: str | None, prompt_ids: list[int], result: GenerateResult, reward: float | None, finished: bool
+    ) -> SampleRecord:
+        """One completion of a prompt, every token trained on: `done` when it ended at a stop token (`finished`),
+        else cut at max_new_tokens (`truncated`); `failed` when its reward failed (None)."""
+        return cls(
+            prompt=prompt,
+            prompt_ids=prompt_ids,
+            response_ids=result.output_ids,
+            rollout_logprobs=result.logprobs,
+            loss_mask=[1] * len(result.output_ids),
+            reward=reward,
+            status="failed" if reward is None else "completed" if finished else "truncated",
+            weight_version=result.weight_version,
+            end_reason="done" if finished else "max_new_tokens",
+            weight_versions=result.weight_versions,
+        )
+
 
 class GenerateClient:
     """What a generate function works with: the engines (`generate`, batched on the engines with every concurrent
@@ -151,18 +170,7 @@ def single_turn(client: GenerateClient, samples: list[RolloutSample]) -> list[Sa
     finished = [client.stopped(r) for r in results]
     rewards = client.score(client.decode([r.output_ids for r in results]), [s.row["label"] for s in samples], finished)
     return [
-        SampleRecord(
-            prompt=text,
-            prompt_ids=ids,
-            response_ids=result.output_ids,
-            rollout_logprobs=result.logprobs,
-            loss_mask=[1] * len(result.output_ids),
-            reward=reward,
-            status="failed" if reward is None else "completed" if done else "truncated",
-            weight_version=result.weight_version,
-            end_reason="done" if done else "max_new_tokens",
-            weight_versions=result.weight_versions,
-        )
+        SampleRecord.completion(text, ids, result, reward, done)
         for text, ids, result, reward, done in zip(texts, prompt_ids, results, rewards, finished, strict=True)
     ]
 

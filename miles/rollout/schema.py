@@ -19,11 +19,10 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from miles.engines.base import GenerateRequest, GenerateResult
 from miles.rollout.generation import SampleRecord
 
 SCHEMA_VERSION = "5"
-STATUSES = ("completed", "truncated", "aborted", "failed")
+STATUSES = ("completed", "truncated", "failed")
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -86,37 +85,6 @@ def records_table(
         },
         schema=ROLLOUT_SCHEMA,
     )
-
-
-def samples_table(
-    requests: Sequence[GenerateRequest],
-    results: Sequence[GenerateResult],
-    *,
-    raw_reward: Sequence[float | None],
-    status: Sequence[str],
-    label: Sequence[str | None],
-    prompt: Sequence[str | None] | None = None,
-    **numbering,
-) -> pa.Table:
-    """The rollout table of single-turn samples, request i and its result i making row i: every response token
-    trained on, each sample ending done at a stop token and at max_new_tokens otherwise. `numbering` is
-    records_table's rollout_id, first_index, group_index (and advantage)."""
-    records = [
-        SampleRecord(
-            prompt=None if prompt is None else prompt[i],
-            prompt_ids=q.prompt_ids,
-            response_ids=r.output_ids,
-            rollout_logprobs=r.logprobs,
-            loss_mask=[1] * len(r.output_ids),
-            reward=raw_reward[i],
-            status=status[i],
-            weight_version=r.weight_version,
-            end_reason="done" if r.finish_reason == "stop" else "max_new_tokens",
-            weight_versions=r.weight_versions,
-        )
-        for i, (q, r) in enumerate(zip(requests, results, strict=True))
-    ]
-    return records_table(records, adapter=[q.adapter for q in requests], label=label, **numbering)
 
 
 def _dictionary(values: Sequence[str | None], column: str) -> pa.Array:

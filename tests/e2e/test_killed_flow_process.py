@@ -5,13 +5,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from miles.loop import run_sync
 from miles.run_dir import RunDir
 from tests.e2e.test_cli import PROJECT
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, small_config_for, small_overrides
+from tests.helpers.waiting import eventually
 
 
 def _descendants(root: int) -> dict[int, str]:
@@ -35,15 +35,6 @@ def _descendants(root: int) -> dict[int, str]:
                 found[child] = commands[child]
                 frontier.append(child)
     return found
-
-
-def _wait_for(condition, what: str, timeout_s: float = 240.0, every_s: float = 0.005):
-    """The first truthy value of `condition()`."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every_s)
-    return value
 
 
 def _trainer_pid(root: int) -> int | None:
@@ -87,13 +78,13 @@ def test_killed_flow_process_resumes_at_the_right_rollout(ray_session, tmp_path,
         args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
-        trainer = _wait_for(lambda: _trainer_pid(first.pid), "the trainer actor", every_s=0.2)
+        trainer = eventually(lambda: _trainer_pid(first.pid), timeout_s=240, every_s=0.2)
+        assert trainer, "the trainer actor never started"
         # Once rollout 2 is finished, freeze the trainer: rollout 3 gets generated and stored, its training cannot end.
-        _wait_for(lambda: 2 in _metrics_ids(run_dir), "rollout 2 to finish")
+        assert eventually(lambda: 2 in _metrics_ids(run_dir), timeout_s=240, every_s=0.005), "rollout 2 never ended"
         os.kill(trainer, signal.SIGSTOP)
         rollout_3 = run_dir / "rollouts" / "rollout_3.arrow"
-        _wait_for(rollout_3.exists, "rollout 3 to be stored")
-        time.sleep(0.5)
+        assert eventually(rollout_3.exists, timeout_s=240), "rollout 3 was never stored"
         os.kill(first.pid, signal.SIGKILL)
     finally:
         try:  # what the killed process leaves behind (the frozen trainer) goes too; its API server dies with it

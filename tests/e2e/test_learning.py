@@ -4,10 +4,10 @@ algorithms.
 
 Bar: sampled reward of the last 20 iterations at least 0.02 above the first 20 (the noise of that difference is
 about 0.005: 20 x 512 samples a side), and greedy accuracy of the final weights on 200 sums (the default
-evaluation, on the engines, at rollout 0 and at the end) no lower than the starting (warmed-up) model's. The
-warm-up stops at greedy accuracy 0.3 on 500 held-out sums, checked every 10 steps, so every machine starts from
-about the same model (with a check every 50 steps on 200 sums, float rounding stopped some machines at a weaker
-model, from which the off-policy flows learned too little). Measured on one machine (start: greedy 0.235 on the
+evaluation, on the engines, at rollout 0 and at the end) at least GREEDY_GAIN above the starting (warmed-up)
+model's. The warm-up stops at greedy accuracy 0.3 on 500 held-out sums, checked every 10 steps, so every machine
+starts from about the same model (with a check every 50 steps on 200 sums, float rounding stopped some machines at a
+weaker model, from which the off-policy flows learned too little). Measured on one machine (start: greedy 0.235 on the
 evaluation's 200 sums): +0.092 (sync flow, two workers), +0.084 (gspo), +0.089 (rloo) within 100 rollouts; +0.143
 (async) and +0.127 (fully-async, two versions behind) within 200; greedy 0.235 -> 0.355-0.435.
 """
@@ -19,6 +19,12 @@ from miles.config import load_config
 from miles.run_dir import RunDir
 
 LEARNING_ROLLOUTS = 100  # of the default's 300: the figures above show learning well within them
+
+# The measured runs gain +0.12 to +0.20 in greedy accuracy on the 200 evaluation sums (0.235 -> 0.355-0.435 above;
+# the calculator run 0.80 -> 0.97). Weights that do not learn keep their greedy answers, or flip some at random: even
+# a fifth of the 200 answers flipping moves the accuracy by a standard deviation of sqrt(0.2 / 200) = 0.032. The bar
+# is half the smallest measured gain, about twice that noise.
+GREEDY_GAIN = 0.06
 
 
 def _greedy_accuracy(run_dir: RunDir, task: str) -> tuple[float, float]:
@@ -37,7 +43,7 @@ def _check_learning(config) -> dict:
     report = {"first20": sum(rewards[:20]) / 20, "last20": sum(rewards[-20:]) / 20, "greedy": (initial, final)}
     print(report)
     assert report["last20"] - report["first20"] >= 0.02, report
-    assert final >= initial, report
+    assert final - initial >= GREEDY_GAIN, report
     return report
 
 
@@ -163,7 +169,8 @@ def test_the_model_learns_to_use_the_calculator(ray_session, tmp_path, model_cac
     calls it in half its examples. Bar: the mean sampled reward of the last 3 rollouts at least 0.15 above the first
     3, and the share of episodes that call the calculator on the whole sum too (each a mean of 3 x 512 episodes:
     about 0.013 of noise for a share near 0.5, so 0.15 is more than 8 times the noise of their difference;
-    the run gains about 0.3 in both here); and greedy accuracy on 200 held-out sums (episodes) above the start."""
+    the run gains about 0.3 in both here); and greedy accuracy on 200 held-out sums (episodes) at least GREEDY_GAIN
+    above the start (0.80 -> 0.97 here)."""
     from miles.envs.calculator import CALL, evaluate
     from miles.loop import run_sync
     from miles.rollout.store import RolloutStore
@@ -192,4 +199,4 @@ def test_the_model_learns_to_use_the_calculator(ray_session, tmp_path, model_cac
     print(report)
     assert report["reward"][1] - report["reward"][0] >= 0.15, report
     assert report["tool_use"][1] - report["tool_use"][0] >= 0.15, report
-    assert report["greedy"][1] > report["greedy"][0], report
+    assert report["greedy"][1] - report["greedy"][0] >= GREEDY_GAIN, report

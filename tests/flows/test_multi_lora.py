@@ -159,8 +159,9 @@ def test_killed_engine_and_killed_trainer_are_recovered_with_every_adapter(
 
 def test_sglang_engines_serve_the_adapters_as_the_torch_engines_do(ray_session, small_config, tmp_path):
     """The multi-LoRA loop with rollout.engine=sglang (the stand-in server, LoRA enabled from `adapters`): each
-    adapter pushed as a PEFT directory trains exactly as with the TorchEngine. The weight transport of full pushes
-    leaves adapters on their own path."""
+    adapter pushed as a PEFT directory trains as with the TorchEngine, to float rounding: the adapters generate
+    side by side, as in the flow, so which requests share a batch varies from run to run. The weight transport of
+    full pushes leaves adapters on their own path."""
     reference = small_config(*ADAPTERS, run_dir=str(tmp_path / "torch"))
     run_multi_lora(reference)
     config = small_config(
@@ -176,5 +177,5 @@ def test_sglang_engines_serve_the_adapters_as_the_torch_engines_do(ray_session, 
                 _adapter_weights(config.run_dir, adapter, steps - 1),
                 _adapter_weights(reference.run_dir, adapter, steps - 1),
             )
-            == 0.0
+            < 1e-6
         )

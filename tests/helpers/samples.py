@@ -7,7 +7,8 @@ import dataclasses
 import pyarrow as pa
 
 from miles.engines.base import GenerateRequest, SamplingParams
-from miles.rollout.schema import ROLLOUT_SCHEMA, samples_table
+from miles.rollout.generation import SampleRecord
+from miles.rollout.schema import ROLLOUT_SCHEMA, records_table
 
 
 def make_requests(tokenizer, prompts, **sampling):
@@ -20,19 +21,28 @@ def seeded(requests, seed):
     return [dataclasses.replace(r, seed=seed * 10_000 + i) for i, r in enumerate(requests)]
 
 
-def training_table(requests, results, advantages=None) -> pa.Table:
-    n = len(results)
-    return samples_table(
-        requests,
-        results,
+def completions_table(requests, results, rewards, group_index, advantages) -> pa.Table:
+    """Rollout 0 of one completion per request, stored as single_turn stores them (for the engine and trainer tests,
+    the benchmarks and the GPU check, which drive the engines without a RolloutExecutor)."""
+    records = [
+        SampleRecord.completion(None, q.prompt_ids, r, reward, r.finish_reason == "stop")
+        for q, r, reward in zip(requests, results, rewards, strict=True)
+    ]
+    adapters, labels = [q.adapter for q in requests], [""] * len(records)
+    return records_table(
+        records,
         rollout_id=0,
         first_index=0,
-        group_index=range(n),
-        raw_reward=[0.0] * n,
-        status=["completed"] * n,
-        label=[""] * n,
-        advantage=advantages or [0.0] * n,
+        group_index=group_index,
+        adapter=adapters,
+        label=labels,
+        advantage=advantages,
     )
+
+
+def training_table(requests, results, advantages=None) -> pa.Table:
+    n = len(results)
+    return completions_table(requests, results, [0.0] * n, range(n), advantages or [0.0] * n)
 
 
 def rollout_table(n: int = 3, rollout_id: int = 5) -> pa.Table:

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -55,11 +56,11 @@ def counter(ray_session):
 
 def test_a_dead_actor_fails_its_call_then_restarts_on_the_next(counter):
     actor, starts = counter
-    assert actor.add(1) == 1
+    assert actor.call(Counter.add, 1) == 1
     os.kill(actor_pid(actor.handles[0]), signal.SIGKILL)
     with pytest.raises(ActorLost, match="the counter died during add"):
-        actor.add(1)
-    assert actor.add(5) == 105  # rebuilt by start(), then the call
+        actor.call(Counter.add, 1)
+    assert actor.call(Counter.add, 5) == 105  # rebuilt by start(), then the call
     assert starts == [0, 1]
 
 
@@ -67,13 +68,13 @@ def test_callers_that_meet_one_death_restart_it_once(counter):
     actor, starts = counter
     freeze_then_kill(actor.handles[0], after_s=0.5)
     outcomes: list = []
-    threads = [threading.Thread(target=lambda: outcomes.append(_try(actor.add, 1))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: outcomes.append(_try(actor.call, Counter.add, 1))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert all(isinstance(o, ActorLost) for o in outcomes) and len(outcomes) == 3
-    assert [actor.add(1) for _ in range(3)] == [101, 102, 103]
+    assert [actor.call(Counter.add, 1) for _ in range(3)] == [101, 102, 103]
     assert starts == [0, 1]
 
 
@@ -96,32 +97,34 @@ def test_hand_over_names_a_dead_producer_and_passes_other_errors_through(counter
 
 @ray.remote(num_cpus=0)
 class Rank:
-    def __init__(self, rank: int, generation: int):
-        self.rank, self.generation = rank, generation
+    def __init__(self, rank: int, generation: int, steps_ended: Path):
+        self.rank, self.generation, self.steps_ended = rank, generation, steps_ended
 
     def step(self, wait_s: float) -> tuple[int, int]:
         time.sleep(wait_s if self.rank == 0 else 0)  # rank 0 as if blocked in a collective with a lost peer
+        with open(self.steps_ended / f"group {self.generation} rank {self.rank}", "a") as ended:
+            ended.write(f"{wait_s}\n")
         return self.rank, self.generation
 
 
-def test_a_group_member_death_kills_the_group_and_the_next_call_restarts_every_member(ray_session):
+def test_a_group_member_death_kills_the_group_and_the_next_call_restarts_every_member(ray_session, tmp_path):
     groups: list[ActorGroup] = []
 
     def start():
-        groups.append(ActorGroup([Rank.remote(rank, len(groups)) for rank in range(2)]))
+        groups.append(ActorGroup([Rank.remote(rank, len(groups), tmp_path) for rank in range(2)]))
         return groups[-1]
 
     group = RestartableActor("pair", start)
     try:
-        assert group.step(0) == (0, 0)  # rank 0's result
+        assert group.call(Rank.step, 0) == (0, 0)  # rank 0's result
         freeze_then_kill(group.handles[1], after_s=0.5)
-        started = time.monotonic()
         with pytest.raises(ActorLost, match="the pair died during step"):
-            group.step(600)
-        assert time.monotonic() - started < 60  # rank 0 was not waited for
+            group.call(Rank.step, 600)
+        # Rank 0 never ended that step (it was killed with its group): the call did not wait for it.
+        assert (tmp_path / "group 0 rank 0").read_text() == "0\n"
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(groups[0].handles[0].__ray_ready__.remote(), timeout=30)  # killed with its group
-        assert group.step(0) == (0, 1) and len(groups) == 2
+        assert group.call(Rank.step, 0) == (0, 1) and len(groups) == 2
     finally:
         group.kill()
 

@@ -27,7 +27,8 @@ It generates with a TorchEngine, so tokens and log-probs are real; as SGLang, it
 `--enable-deterministic-inference`. `/test_fault` is its own, not SGLang's: it makes every later request answer an
 HTTP error, as a server whose scheduler crashed does, every log-prob come back null (`null_logprobs`), or the next
 disk or distributed load take the server down (`die_on_load`), every batch take `generate_delay_s` longer, or
-every decode step `decode_delay_s` longer.
+every decode step `decode_delay_s` longer. `/test_decode_steps`, its own too, counts the decode steps run since the
+last `/test_fault`, for a test to act at a known point of a generation.
 """
 
 from __future__ import annotations
@@ -53,18 +54,6 @@ from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import WeightGroup, join, leave, receive_bucket
 
 SGLANG_DEFAULT_SEED = 42  # the sampling_seed SGLang uses when a request sets none
-
-
-@torch.no_grad()
-def _load_by_name(model, tensors: dict[str, torch.Tensor]) -> None:
-    """As SGLang's load_weights: each file tensor goes to its parameter; a name the model does not have is skipped
-    with a warning and a parameter the files lack keeps its value (the load still succeeds)."""
-    parameters = model.state_dict()
-    for name, tensor in tensors.items():
-        if name in parameters:
-            parameters[name].copy_(tensor)
-        else:
-            print(f"WARNING: Parameter {name} not found in params_dict; skipped", flush=True)
 
 
 def _version_number(weight_version: str) -> int:
@@ -107,6 +96,7 @@ class StandInServer:
             device="cpu",
             num_threads=1,
             max_running_requests=args.max_running_requests,
+            pause_generation_mode="in_place",  # a load keeps the requests' KV cache; /pause_generation may drop it
         )
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.eos_ids = eos_token_ids(self.tokenizer)
@@ -119,6 +109,16 @@ class StandInServer:
         self.running = 0
         self.abort_epoch = 0  # counts pauses in abort mode: a request that arrived before one ends aborted
         self.generate_delay_s = 0.0
+        self.decode_delay_s = 0.0  # /test_fault: every decode step takes this much longer
+        self.decode_steps = 0  # since the last /test_fault
+        step = self.engine._step
+
+        def counted(admitted):
+            time.sleep(self.decode_delay_s)
+            step(admitted)
+            self.decode_steps += 1
+
+        self.engine._step = counted
         self.weight_groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._paused = False
         self._state = threading.Lock()
@@ -139,11 +139,20 @@ class StandInServer:
             return [dataclasses.replace(r, finish_reason="abort") for r in results]
         return results
 
-    def loaded(self, weight_version) -> None:
-        """New weights are in the model (loaded while the engine was paused): name them, as the server reports."""
-        if weight_version is not None:
-            self.weight_version = weight_version
-            self.engine.update_weight_version(_version_number(weight_version))
+    def load(self, tensors: dict[str, torch.Tensor], weight_version) -> None:
+        """As SGLang's load_weights: each tensor goes to its parameter; a name the model does not have is skipped with
+        a warning and a parameter the tensors lack keeps its value (the load still succeeds). The engine loads them
+        between two decode steps, as `weight_version` when one is given (the server reports it), else as the version
+        it held."""
+        weights = self.engine.model.state_dict()
+        for name, tensor in tensors.items():
+            if name in weights:
+                weights[name] = tensor
+            else:
+                print(f"WARNING: Parameter {name} not found in params_dict; skipped", flush=True)
+        version = self.weight_version if weight_version is None else weight_version
+        self.engine.update_weights(weights, _version_number(version))
+        self.weight_version = version
 
     def generate(self, body: dict) -> JSONResponse:
         ids = body.get("input_ids")
@@ -199,16 +208,6 @@ class StandInServer:
             for r, q, p in zip(results, requests, params, strict=True)
         ]
         return JSONResponse(outputs[0] if single else outputs)
-
-    def slow_decoding(self, delay_s: float) -> None:
-        """/test_fault: every decode step takes `delay_s` longer, so a push can land in the middle of a generation."""
-        step = type(self.engine)._step.__get__(self.engine)
-
-        def slowed(admitted):
-            time.sleep(delay_s)
-            step(admitted)
-
-        self.engine._step = slowed if delay_s else step
 
     def stops_on_eos(self, params: dict) -> tuple[int, ...]:
         return () if params.get("ignore_eos", False) else self.eos_ids
@@ -288,10 +287,7 @@ class StandInServer:
             print("ERROR: Failed to load the weights; the scheduler exits", flush=True)
             os._exit(1)
         try:
-            tensors = {name: t for f in files for name, t in load_file(f).items()}
-            with self.engine.paused("in_place"):
-                _load_by_name(self.engine.model, tensors)
-                self.loaded(body.get("weight_version"))
+            self.load({name: t for f in files for name, t in load_file(f).items()}, body.get("weight_version"))
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed load, it does not crash
             return JSONResponse(
                 {
@@ -339,9 +335,7 @@ class StandInServer:
         try:
             group = self.weight_groups[group_name]
             tensors = receive_bucket(group, specs, torch.device("cpu"), body.get("load_format"))
-            with self.engine.paused("in_place"):
-                _load_by_name(self.engine.model, tensors)
-                self.loaded(body.get("weight_version"))
+            self.load(tensors, body.get("weight_version"))
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed update
             message = (
                 f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are partially "
@@ -428,8 +422,13 @@ def build_app(server: StandInServer) -> FastAPI:
         server.null_logprobs = body.get("null_logprobs", False)
         server.die_on_load = body.get("die_on_load", False)
         server.generate_delay_s = body.get("generate_delay_s", 0.0)
-        server.slow_decoding(body.get("decode_delay_s", 0.0))
+        server.decode_delay_s = body.get("decode_delay_s", 0.0)  # so that a push can land in a generation's middle
+        server.decode_steps = 0
         return {"success": True}
+
+    @app.get("/test_decode_steps")
+    def test_decode_steps():
+        return {"decode_steps": server.decode_steps}
 
     @app.get("/health")
     def health():

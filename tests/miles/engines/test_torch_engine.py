@@ -17,6 +17,7 @@ from miles.train.update import batch_logprobs
 from tests.helpers import perturbed_weights
 from tests.helpers.engine_contract import contract_violations
 from tests.helpers.samples import make_requests, seeded, training_table
+from tests.helpers.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +183,8 @@ def _push_midway(engine, monkeypatch, requests, push) -> list:
     results: list = []
     thread = threading.Thread(target=lambda: results.extend(engine.generate(requests)))
     thread.start()
-    deadline = time.monotonic() + 30
-    while len(steps) < 14 and time.monotonic() < deadline:  # of 36: three waves of 12 tokens
-        time.sleep(0.001)
+    # Of 36 steps, three waves of 12 tokens: the push comes once the second wave is under way.
+    assert eventually(lambda: len(steps) >= 14, every_s=0.001), "the first wave never finished"
     push()
     thread.join(60)
     return results

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -37,20 +36,25 @@ class _InFlight:
             self.running -= 1
 
 
-def _slow_check(kind: str, in_flight: _InFlight):
-    """A reward that takes 0.05 s, as a remote verifier would: plain (a thread waits) or async."""
+def _paired_check(kind: str, in_flight: _InFlight):
+    """A reward whose calls end two at a time, plain or async: each waits (at a barrier) until another call is in
+    flight beside it, so a scorer that ran them one after another would fail every sample (the barrier breaks)."""
     if kind == "async":
+        pair = asyncio.Barrier(2)  # bound to the scorer's event loop at the first call
 
         async def remote_check(response: str, label: str, finished: bool) -> float:
             with in_flight:
-                await asyncio.sleep(0.05)
+                async with asyncio.timeout(10):
+                    await pair.wait()
             return exact_match(response, label, finished)
 
         return remote_check
 
+    barrier = threading.Barrier(2)
+
     def blocking_check(response: str, label: str, finished: bool) -> float:
         with in_flight:
-            time.sleep(0.05)
+            barrier.wait(10)
         return exact_match(response, label, finished)
 
     return blocking_check
@@ -59,12 +63,11 @@ def _slow_check(kind: str, in_flight: _InFlight):
 @pytest.mark.parametrize("kind", ["plain", "async"])
 def test_rewards_run_concurrently_within_the_limit(kind):
     in_flight = _InFlight()
-    started = time.monotonic()
-    scorer = RewardScorer(_slow_check(kind, in_flight), 5, 2)
+    scorer = RewardScorer(_paired_check(kind, in_flight), 5, 2)
     rewards, failures = scorer.score(RESPONSES * 4, LABELS * 4, FINISHED * 4)
-    assert rewards == [1.0, 0.0, 1.0, 0.0] * 4 and not failures
+    assert not failures  # every call met another in flight: the calls ran two at a time
+    assert rewards == [1.0, 0.0, 1.0, 0.0] * 4
     assert in_flight.most == 2  # data.reward_concurrency
-    assert time.monotonic() - started < 0.05 * 16 / 2 + 0.3
 
 
 class _Verifier:
@@ -105,43 +108,55 @@ def test_a_batched_reward_that_fails_fails_every_sample(answer, why):
 
 def test_a_slow_reward_fails_its_samples_only_and_is_not_waited_for():
     release = threading.Event()
+    stuck_plain = _InFlight()
+    cancelled: list[str] = []
 
     def sometimes_stuck(response: str, label: str, finished: bool) -> float:
         if response == "2":
-            release.wait(10)  # a plain function cannot be stopped: the scorer stops waiting
+            with stuck_plain:
+                release.wait(10)  # a plain function cannot be stopped: the scorer stops waiting
         return 1.0
 
     async def async_stuck(response: str, label: str, finished: bool) -> float:
         if response == "3":
-            await asyncio.sleep(10)
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                cancelled.append(response)
+                raise
         return 1.0
 
-    started = time.monotonic()
     for reward, stuck in ((sometimes_stuck, 1), (async_stuck, 2)):
         rewards, failures = RewardScorer(reward, 0.3, 4).score(RESPONSES, LABELS, FINISHED)
         assert rewards == [1.0 if i != stuck else None for i in range(4)]
         assert failures == [(stuck, "timed out after 0.3 s (data.reward_timeout_s)")]
-    assert time.monotonic() - started < 3
+    assert stuck_plain.running == 1  # the plain call still runs: the scorer returned without it
+    assert cancelled == ["3"]  # the async call was cancelled at its limit
     release.set()
 
 
 def test_a_stuck_call_hands_the_rest_of_the_rollout_to_a_new_worker():
     """One call in flight at a time: the stuck call's thread is left behind and a new one scores the samples after it."""
     release = threading.Event()
+    stuck = _InFlight()
+    workers: list[threading.Thread] = []  # the thread of each call, in call order
 
     def stuck_on_the_second(response: str, label: str, finished: bool) -> float:
+        workers.append(threading.current_thread())
         if response == "2":
-            release.wait(10)
+            with stuck:
+                release.wait(10)
         return exact_match(response, label, finished)
 
-    started = time.monotonic()
     rewards, failures = RewardScorer(stuck_on_the_second, 0.3, 1).score(RESPONSES * 2, LABELS * 2, FINISHED * 2)
     assert rewards == [1.0, None, 1.0, 0.0, 1.0, None, 1.0, 0.0]
     assert failures == [
         (1, "timed out after 0.3 s (data.reward_timeout_s)"),
         (5, "timed out after 0.3 s (data.reward_timeout_s)"),
     ]
-    assert time.monotonic() - started < 2
+    assert stuck.running == 2  # both stuck calls still run: the scorer returned without them
+    order = list(dict.fromkeys(workers))
+    assert [order.index(w) for w in workers] == [0, 0, 1, 1, 1, 1, 2, 2]  # a new worker after each stuck call
     release.set()
 
 

@@ -6,7 +6,6 @@ import dataclasses
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -148,12 +147,21 @@ def _mixed_requests(tokenizer):
     return plain + [dataclasses.replace(r, adapter="a", seed=r.seed + 100) for r in plain]
 
 
-def _generate_while(controller, requests, fault) -> BaseException:
-    """Start `controller.generate(requests)` with the engine stopped (SIGSTOP), so the batch is in flight on it,
-    apply `fault` to the engine's pid, and return what the call raised."""
+def _generate_while(controller, requests, fault, monkeypatch) -> BaseException:
+    """Start `controller.generate(requests)` with the engine stopped (SIGSTOP); once the controller waits for the
+    engines' answers (the batch in flight on the stopped engine), apply `fault` to the engine's pid, and return what
+    the call raised."""
     pid = controller.generating_pid()
     os.kill(pid, signal.SIGSTOP)
     outcome: list[BaseException] = []
+    waiting_for_engines = threading.Event()
+    wait = ray.wait
+
+    def observed_wait(*args, **kwargs):
+        waiting_for_engines.set()
+        return wait(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "wait", observed_wait)
 
     def call():
         try:
@@ -163,19 +171,19 @@ def _generate_while(controller, requests, fault) -> BaseException:
 
     thread = threading.Thread(target=call)
     thread.start()
-    time.sleep(1.0)
+    assert waiting_for_engines.wait(60), "generate never called the engines"
     fault(pid)
     thread.join(120)
     assert outcome, "generate returned although an engine was down"
     return outcome[0]
 
 
-def test_killed_engine_is_restarted_with_weights_and_adapters_and_the_retry_matches(recovering, tokenizer):
+def test_killed_engine_is_restarted_with_weights_and_adapters_and_the_retry_matches(recovering, tokenizer, monkeypatch):
     requests = _mixed_requests(tokenizer)
     expected = recovering.generate(requests)
     old_engine = recovering.engines[0]
 
-    error = _generate_while(recovering, requests, lambda pid: os.kill(pid, signal.SIGKILL))
+    error = _generate_while(recovering, requests, lambda pid: os.kill(pid, signal.SIGKILL), monkeypatch)
 
     assert isinstance(error, EngineRestarted)
     assert "restarted engines [0]" in str(error) and "weight version 5" in str(error) and "'a': 9" in str(error)
@@ -185,12 +193,12 @@ def test_killed_engine_is_restarted_with_weights_and_adapters_and_the_retry_matc
     _assert_same_samples(recovering.generate(requests), expected)  # the same tokens as before the death
 
 
-def test_hung_engine_is_restarted_after_the_timeout(recovering, tokenizer):
+def test_hung_engine_is_restarted_after_the_timeout(recovering, tokenizer, monkeypatch):
     requests = _mixed_requests(tokenizer)
     expected = recovering.generate(requests)
     recovering.timeout_s = 3
 
-    error = _generate_while(recovering, requests, lambda pid: None)  # stays stopped: a hang
+    error = _generate_while(recovering, requests, lambda pid: None, monkeypatch)  # stays stopped: a hang
 
     assert isinstance(error, EngineRestarted) and "engines [0] gave no answer within 3 s" in str(error)
     _assert_same_samples(recovering.generate(requests), expected)

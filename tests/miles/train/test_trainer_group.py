@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 import torch
@@ -17,6 +15,7 @@ from miles.train.group import start_trainer_group
 from miles.train.update import rank_rows
 from tests.helpers import max_abs_diff
 from tests.helpers.samples import make_requests, seeded, training_table
+from tests.helpers.waiting import eventually
 
 
 def test_rank_rows_deal_equal_counts_balanced_by_tokens():
@@ -95,7 +94,5 @@ def test_a_worker_that_cannot_see_the_run_directory_fails_at_start_with_why(
     config = small_config(run_dir=str(tmp_path / "not-shared"))
     with pytest.raises(ray.exceptions.RayActorError, match="the run directory must be on storage that every node sees"):
         start_trainer_group(config, tiny_model_dir, None)
-    deadline = time.monotonic() + 30  # Ray reports freed resources a moment later
-    while ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]  # its placement group released
+    # Its placement group is released; Ray reports the freed resources a moment later.
+    assert eventually(lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"], every_s=0.2)
