@@ -33,6 +33,16 @@ def contract_violations(engine: type) -> list[str]:
         offered = getattr(engine, name, None)
         if offered is None:
             problems.append(f"no {name}")
-        elif list(inspect.signature(offered).parameters) != list(expected.parameters):
+        elif not _takes(inspect.signature(offered), expected):
             problems.append(f"{name}{inspect.signature(offered)} does not take {name}{expected}")
     return problems
+
+
+def _takes(offered: inspect.Signature, expected: inspect.Signature) -> bool:
+    """`offered` takes the protocol's parameters, in its order, and nothing else without a default (Ray adds a
+    tracing keyword to the methods of a class it has made an actor of)."""
+    names = list(offered.parameters)
+    extra = list(offered.parameters.values())[len(expected.parameters) :]
+    return names[: len(expected.parameters)] == list(expected.parameters) and all(
+        p.default is not inspect.Parameter.empty or p.kind is inspect.Parameter.VAR_KEYWORD for p in extra
+    )
