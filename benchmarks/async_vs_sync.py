@@ -14,6 +14,7 @@ import argparse
 import statistics
 import tempfile
 
+from benchmarks.smoke import TINY_RUN, parse_args
 from flows.runtime import configure_prefect
 
 configure_prefect()
@@ -55,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=value")
-    args = parser.parse_args()
+    args = parse_args(parser, iterations=2, overrides=TINY_RUN)
     overrides = BALANCED + args.overrides
 
     sync = _measure(sync_rl, overrides, args.iterations)

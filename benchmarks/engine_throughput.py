@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 import torch
-from random_llama import random_llama
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
+from benchmarks.random_llama import random_llama
+from benchmarks.smoke import parse_args
 from miles.config import ModelConfig
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
@@ -75,7 +76,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (median)")
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = parse_args(
+        parser, hidden=64, layers=1, heads=1, vocab=256, batch=2, prompt_tokens=4, new_tokens=4, repeats=1, threads=1
+    )
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
 

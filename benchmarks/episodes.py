@@ -2,9 +2,9 @@
 vs the same episodes run one at a time through the same engine.
 
 Both sides use one TorchEngine in this process (no Ray: the controller's merging of concurrent callers is not
-what is measured) on the embedded model (built once and cached), the same episode seeds and the same
-environment: a quiz whose every reply is a new sum, done after 4 model turns. With the same seeds both sides
-generate the same tokens, so they run the same turns (checked). Sides alternate, `--repeats` times each;
+what is measured) on the embedded model (built once per `--set model...` and cached), the same episode seeds
+and the same environment: a quiz whose every reply is a new sum, done after 4 model turns. With the same seeds
+both sides generate the same tokens, so they run the same turns (checked). Sides alternate, `--repeats` times each;
 turns/s = turns / median wall seconds.
 
 Last line: `episode_batching_speedup <batched turns/s / one-at-a-time turns/s>` (goal: >= 5).
@@ -19,9 +19,9 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from miles.config import ModelConfig, load_config
-from miles.engines.base import SamplingParams
-from miles.engines.base import eos_token_ids
+from benchmarks.smoke import UNTRAINED_MODEL, parse_args
+from miles.config import load_config
+from miles.engines.base import SamplingParams, eos_token_ids
 from miles.engines.torch_engine import TorchEngine
 from miles.envs.base import StepResult
 from miles.models import ensure_embedded_model
@@ -51,13 +51,14 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=value")
+    args = parse_args(parser, episodes=4, repeats=1, threads=1, overrides=UNTRAINED_MODEL)
     torch.set_num_threads(args.threads)
 
-    model_dir = ensure_embedded_model(ModelConfig(), ["addition"], seed=0)
+    config = load_config(None, [f"rollout.max_turns={TURNS}", *args.overrides])
+    model_dir = ensure_embedded_model(config.model, ["addition"], config.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = TorchEngine(str(model_dir), num_threads=args.threads)
-    config = load_config(None, [f"model.path={model_dir}", f"rollout.max_turns={TURNS}"])
     runner = EpisodeRunner(GenerateClient(engine, tokenizer, config, None), FourSums)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=eos_token_ids(tokenizer))
     samples = [

@@ -26,9 +26,12 @@ from pathlib import Path
 import ray
 
 from benchmarks.random_llama import random_llama
+from benchmarks.smoke import TINY_RUN, parse_args
+from miles import schedules
 from miles.config import load_config
-from miles.loop import fully_async_iterations, sync_iteration
+from miles.loop import plain_steps
 from miles.run import RLRun
+from miles.schedules import Steps
 
 WORKLOAD = [
     "data.task=addition",
@@ -46,20 +49,15 @@ WORKLOAD = [
 ]
 
 
-def _sync_iterations(run: RLRun) -> Iterator[dict]:
-    for rollout_id in run.rollout_ids():
-        sync_iteration(run, rollout_id)
-        yield run.finish_iteration(rollout_id)
-
-
 def _busy_seconds(run: RLRun) -> float:
     return sum(ray.get([engine.busy_seconds.remote() for engine in run.controller.engines]))
 
 
-def _measure(iterations: Callable[[RLRun], Iterator[dict]], config) -> dict[str, float]:
-    with RLRun(config) as run:
+def _measure(schedule: Callable[[RLRun, Steps], Iterator[int]], config) -> dict[str, float]:
+    with RLRun(config) as run, plain_steps() as steps:
         ends, busy, lengths = [], [], []
-        for record in iterations(run):
+        for rollout_id in schedule(run, steps):
+            record = run.finish_iteration(rollout_id)
             ends.append(record["finished_at"])
             busy.append(_busy_seconds(run))
             lengths.append(record["response_length_mean"])
@@ -75,14 +73,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=value")
-    args = parser.parse_args()
+    args = parse_args(parser, iterations=2, overrides=[*TINY_RUN, "rollout.max_new_tokens=8"])
     model = Path(tempfile.mkdtemp(prefix="random-llama-"))
     random_llama(model, hidden=128, layers=2, vocab=16, positions=512)
     overrides = [f"model.path={model}", *WORKLOAD, *args.overrides]
     results = {}
-    for mode, iterations in (("sync", _sync_iterations), ("fully-async", fully_async_iterations)):
+    for mode, schedule in (("sync", schedules.sync), ("fully-async", schedules.fully_async)):
         config = load_config(None, overrides, run_dir=tempfile.mkdtemp(prefix=f"{mode}-"), num_rollout=args.iterations)
-        results[mode] = _measure(iterations, config)
+        results[mode] = _measure(schedule, config)
         r = results[mode]
         print(
             f"{mode:<12} s/iteration {r['s_per_iteration']:.3f}  engine busy {r['engine_busy_fraction']:.2f}  "

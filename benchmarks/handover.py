@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 import ray
 import torch
 
+from benchmarks.smoke import parse_args
 from miles.cluster import actor_options
 from miles.rollout.schema import ROLLOUT_SCHEMA, STATUSES, with_rollout_metadata
 from miles.train.algorithms.advantages import grpo
@@ -148,6 +149,7 @@ def rollout_as_table(r: dict[str, np.ndarray]) -> pa.Table:
         pa.DictionaryArray.from_arrays(
             pa.array(np.where(r["truncated"], 1, 0).astype(np.int8)), pa.array(["done", "max_new_tokens"])
         ),
+        lists(r["response_offsets"], np.zeros(len(r["response_values"]), dtype=np.int32)),  # every token of version 0
     ]
     table = pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)
     return with_rollout_metadata(table, rollout_id=0, algorithm="grpo")
@@ -278,7 +280,7 @@ def main() -> None:
         "--repeats", type=int, default=3, help="measured (a)+(b) pairs per size, after one warm-up pair"
     )
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_args(parser, sizes="64", repeats=1)
     sizes = sorted(int(s) for s in args.sizes.split(","))
 
     # Room for the largest payload (the pickled lists take ~16 bytes a token) twice over, so that nothing spills.

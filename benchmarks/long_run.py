@@ -4,11 +4,11 @@ One flow run of `--iterations` (default 2000) at a small batch (4 prompts x 2 sa
 samples per rollout, no evaluation, a checkpoint every 500), engine and trainer one torch thread each, against the
 embedded ephemeral API as `miles run sync` uses it. A thread samples the flow process's resident memory every 0.5 s;
 each iteration's end comes from metrics.jsonl. Reported: the mean iteration time and RSS over the first and the last
-200 iterations, the SQLite database's size, and, where Debian's Chromium is installed, how long the flow run's page
-takes to list its task runs in the Prefect UI (a server started on the same database afterwards).
+`--window` (200) iterations, the SQLite database's size, and, where Debian's Chromium is installed, how long the flow
+run's page takes to list its task runs in the Prefect UI (a server started on the same database afterwards).
 
-Second-to-last line: `rss_growth_mib_per_1000 <MiB per 1000 iterations, first-200 to last-200 mean>`.
-Last line: `long_run_growth <last-200 s/iteration / first-200 s/iteration>`.
+Second-to-last line: `rss_growth_mib_per_1000 <MiB per 1000 iterations, first-window to last-window mean>`.
+Last line: `long_run_growth <last-window s/iteration / first-window s/iteration>`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from benchmarks.prefect_server import prefect_server
+from benchmarks.smoke import UNTRAINED_MODEL, parse_args
 
-WINDOW = 200
 SMALL_BATCH = [
     "rollout.rollout_batch_size=4",
     "rollout.n_samples_per_prompt=2",
@@ -85,10 +85,12 @@ def ui_task_list_seconds(flow_run_id: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--window", type=int, default=200, help="iterations of the first and the last mean")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=value")
-    args = parser.parse_args()
-    if args.iterations < 2 * WINDOW:
-        parser.error(f"--iterations must be at least {2 * WINDOW}")
+    # A window of 20 iterations spans a few of the memory sampler's 0.5 s ticks.
+    args = parse_args(parser, iterations=40, window=20, overrides=UNTRAINED_MODEL)
+    if args.iterations < 2 * args.window:
+        parser.error(f"--iterations must be at least twice --window ({2 * args.window})")
 
     home = Path(tempfile.mkdtemp(prefix="long-run-"))
     os.environ["PREFECT_HOME"] = str(home / "prefect")
@@ -109,20 +111,23 @@ def main() -> None:
     assert state.is_completed(), state.message
     wait_for_task_history()  # as at exit: the database and the UI below then hold the whole run
 
+    window = args.window
     ends = [record["finished_at"] for record in RunDir(config.run_dir).metrics()]
-    first = (ends[WINDOW] - ends[0]) / WINDOW
-    last = (ends[-1] - ends[-WINDOW - 1]) / WINDOW
-    rss_first = sampler.mean_between(ends[0], ends[WINDOW])
-    rss_last = sampler.mean_between(ends[-WINDOW - 1], ends[-1])
-    per_1000 = (rss_last - rss_first) / (len(ends) - WINDOW) * 1000
+    first = (ends[window] - ends[0]) / window
+    last = (ends[-1] - ends[-window - 1]) / window
+    rss_first = sampler.mean_between(ends[0], ends[window])
+    rss_last = sampler.mean_between(ends[-window - 1], ends[-1])
+    per_1000 = (rss_last - rss_first) / (len(ends) - window) * 1000
     database = home / "prefect" / "prefect.db"
     print(f"iterations {len(ends)} in one flow run, {config.samples_per_rollout} samples each")
-    print(f"first {WINDOW}: {first:.4f} s/iteration, RSS {rss_first:.0f} MiB")
-    print(f"last {WINDOW}:  {last:.4f} s/iteration, RSS {rss_last:.0f} MiB")
+    print(f"first {window}: {first:.4f} s/iteration, RSS {rss_first:.0f} MiB")
+    print(f"last {window}:  {last:.4f} s/iteration, RSS {rss_last:.0f} MiB")
     print(f"SQLite database {database.stat().st_size / 2**20:.1f} MiB")
     if CHROMIUM.exists():
         seconds = ui_task_list_seconds(str(state.state_details.flow_run_id))
         print(f"UI: the flow run's page listed its task runs in {seconds:.1f} s")
+    else:
+        print(f"UI: not timed (no Chromium at {CHROMIUM})")
     print(f"rss_growth_mib_per_1000 {per_1000:.1f}")
     print(f"long_run_growth {last / first:.3f}")
 

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.smoke import parse_args
+
 
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
@@ -76,9 +78,9 @@ def _child(model_dir: str, adapters_dir: str, adapters: int, batch: int, new_tok
 def _build(workdir: Path, hidden: int, layers: int, vocab: int, rank: int, count: int) -> tuple[Path, Path, int]:
     import torch
     from peft import get_peft_model, get_peft_model_state_dict
-    from random_llama import random_llama
     from safetensors.torch import save_file
 
+    from benchmarks.random_llama import random_llama
     from miles.config import AdapterConfig
     from miles.train.lora import config_dict, lora_config
 
@@ -109,7 +111,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "ADAPTERS_DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--adapters", type=int, default=1, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(parser, hidden=64, layers=1, vocab=256, rank=2, batch=4, new_tokens=2, threads=1)
     if args.child:
         _child(*args.child, args.adapters, args.batch, args.new_tokens, args.threads)
         return
@@ -125,7 +127,8 @@ def main() -> None:
         for adapters in (1, 4):
             command = [
                 sys.executable,
-                __file__,
+                "-m",
+                "benchmarks.multi_lora_memory",
                 "--child",
                 str(model_dir),
                 str(adapters_dir),

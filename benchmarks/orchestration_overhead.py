@@ -1,7 +1,7 @@
 """Orchestration overhead: a Prefect-flow iteration vs a plain-loop iteration over the same actors and work.
 
 Both drive one RLRun (the same engine and trainer actors) at the default config: the plain loop calls
-`miles.loop.sync_iteration`, the flow calls the sync flow's tasks (the same calls wrapped in tasks).
+`miles.schedules.sync_iteration` over the plain steps, the flow the same schedule over the sync flow's tasks.
 Blocks alternate (plain, flow, plain, flow, ...) so that drift in the work hits both sides. The flow side runs
 against Prefect's ephemeral API in this process's machine, so the server's CPU per task run competes with the
 work, as it does for a user. Each flow block is a flow run of its own, its start in its time; the wait for the API to
@@ -22,8 +22,9 @@ import functools
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from benchmarks.smoke import TINY_RUN, parse_args
 from flows.runtime import configure_prefect
 
 configure_prefect()
@@ -31,25 +32,20 @@ configure_prefect()
 from prefect import flow, runtime  # noqa: E402
 
 from flows.runtime import start_ephemeral_api  # noqa: E402
+from miles import schedules  # noqa: E402
 from miles.config import load_config  # noqa: E402
-from miles.loop import sync_iteration as plain_iteration  # noqa: E402
+from miles.loop import plain_steps  # noqa: E402
 from miles.run import RLRun  # noqa: E402
-from tasks import generate, get, save_checkpoint, sync_weights, train_step  # noqa: E402
+from tasks import STEPS, generate  # noqa: E402
 from tasks.history import finished_task_runs, wait_for_task_history  # noqa: E402
 
 
 @flow(name="overhead-probe")
 def probe(run: RLRun, rollout_ids: list[int], generate_tags: list[str] | None = None) -> int:
-    """The sync flow's loop body, without its report; returns its task runs."""
-    generate_task = generate.with_options(tags=generate_tags) if generate_tags else generate
+    """The sync flow's iterations (its schedule over its tasks), without its report; returns its task runs."""
+    steps = replace(STEPS, generate=generate.with_options(tags=generate_tags)) if generate_tags else STEPS
     for rollout_id in rollout_ids:
-        generate_task(run, rollout_id)
-        table = get(run, rollout_id)
-        train_step(run, rollout_id, table)
-        if run.should_sync(rollout_id):
-            sync_weights(run, rollout_id)
-        if run.should_save(rollout_id):
-            save_checkpoint(run, rollout_id)
+        schedules.sync_iteration(run, steps, rollout_id)
     return finished_task_runs(runtime.flow_run.id)
 
 
@@ -94,7 +90,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20, help="iterations per block")
     parser.add_argument("--rounds", type=int, default=2, help="plain+flow block pairs")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=value")
-    args = parser.parse_args()
+    args = parse_args(parser, iterations=2, rounds=1, overrides=TINY_RUN)
 
     per_block = args.iterations
     total = per_block * (2 * args.rounds + 1)
@@ -108,10 +104,10 @@ def main() -> None:
     )
     start_ephemeral_api()  # as `miles run` starts it
     clock = CallClock()
-    with RLRun(config) as run:
+    with RLRun(config) as run, plain_steps() as steps:
         clock.wrap(run)
         ids = iter(run.rollout_ids())
-        plain_iteration(run, next(ids))  # warm the actors
+        schedules.sync_iteration(run, steps, next(ids))  # warm the actors
         probe(run, [next(ids) for _ in range(per_block - 1)])  # warm the ephemeral API
         plain_times, flow_times, task_runs = [], [], 0
         plain_splits, flow_splits = [], []
@@ -119,7 +115,7 @@ def main() -> None:
             block = [next(ids) for _ in range(per_block)]
             started = time.perf_counter()
             for rollout_id in block:
-                plain_iteration(run, rollout_id)
+                schedules.sync_iteration(run, steps, rollout_id)
             ended = time.perf_counter()
             plain_times.append((ended - started) / per_block)
             plain_splits.append(clock.split(started, ended, per_block))

@@ -16,6 +16,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from benchmarks.smoke import parse_args
 from miles.config import DataConfig
 from miles.rewards import exact_match
 from miles.rewards.scoring import RewardScorer
@@ -25,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=30)
-    args = parser.parse_args()
+    args = parse_args(parser, samples=16, repeats=1)
 
     data = DataConfig()
     responses = [str(i % 200) for i in range(args.samples)]

@@ -22,8 +22,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from random_llama import random_llama
 
+from benchmarks.random_llama import random_llama
+from benchmarks.smoke import parse_args
 from miles.config import SGLangConfig
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser, hidden=64, layers=1, vocab=256, batch=2, prompt_tokens=4, new_tokens=2, repeats=1)
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory(prefix="sglang-client-") as workdir:

@@ -5,8 +5,8 @@ and Ray) on the embedded model for one rollout, then reads the flow run's and th
 from the Prefect database. Alongside, each start-up piece is timed alone in a fresh process: Python with the
 CLI's imports, the flow's imports (Prefect, torch, transformers, Ray), starting the ephemeral Prefect API,
 starting Ray, loading the model. The command runs twice in one project dir: first with a new Prefect database (its migrations run), then
-with that database in place, as on every later run. The last line is `startup_seconds <launch to first
-generate, the later run>`.
+with that database in place, as on every later run; `--set` overrides go to both runs and to the embedded model's
+build. The last line is `startup_seconds <launch to first generate, the later run>`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+from benchmarks.smoke import TINY_RUN, parse_args
+from miles.config import load_config
+from miles.models import ensure_embedded_model
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -71,17 +75,15 @@ def _timestamp(value: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model dir (default: the embedded model, built once into the model cache)")
-    args = parser.parse_args()
-    sys.path.insert(0, str(PROJECT))
-    from miles.config import ModelConfig
-    from miles.models import ensure_embedded_model
-
-    model = args.model or str(ensure_embedded_model(ModelConfig(), ["addition"], seed=0))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=value")
+    args = parse_args(parser, overrides=TINY_RUN)
+    config = load_config(None, args.overrides)
+    model = args.model or str(ensure_embedded_model(config.model, ["addition"], config.seed))
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         launches = {}
         for launch in ("first run (new Prefect database)", "next run (the project's database exists)"):
-            launches[launch] = _launch(home, model, f"run{len(launches)}")
+            launches[launch] = _launch(home, model, f"run{len(launches)}", args.overrides)
         pieces = {}
         for index, (name, code) in enumerate(PROBES.items()):  # each in its own dir: a fresh Prefect database
             (home / f"probe{index}").mkdir()
@@ -101,7 +103,7 @@ def main() -> None:
     print(f"startup_seconds {to_generate:.2f}")
 
 
-def _launch(home: Path, model: str, run_dir: str) -> tuple[float, float, float]:
+def _launch(home: Path, model: str, run_dir: str, overrides: list[str]) -> tuple[float, float, float]:
     """Run the CLI for one rollout; seconds from launch to the flow run's start, to the first generate's start,
     and to the command's exit."""
     launched = time.time()
@@ -122,6 +124,7 @@ def _launch(home: Path, model: str, run_dir: str) -> tuple[float, float, float]:
             "rollout.num_threads=1",
             "--set",
             "train.num_threads=1",
+            *(flag for override in overrides for flag in ("--set", override)),
         ],
         cwd=home,
         env=_env(home),

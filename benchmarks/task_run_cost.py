@@ -14,6 +14,7 @@ import resource
 import tempfile
 import time
 
+from benchmarks.smoke import parse_args
 from flows.runtime import configure_prefect
 
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="task-run-cost-"))
@@ -55,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=300, help="task runs per flow run")
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    args = parse_args(parser, tasks=3, repeats=1)
     start_ephemeral_api()
     noops(20)  # warm the client and the server
     server_ms = []

@@ -39,13 +39,16 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
-from random_llama import random_llama
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as hf_logging
 
+from benchmarks.random_llama import random_llama
+from benchmarks.smoke import parse_args
 from miles.config import ModelConfig, RunConfig, load_config
+from miles.engines.base import GenerateResult
 from miles.models.tiny import ensure_embedded_model
-from miles.rollout.schema import ROLLOUT_SCHEMA
+from miles.rollout.generation import SampleRecord
+from miles.rollout.schema import records_table
 from miles.train.actor import TrainActor
 from miles.train.batch import TrainBatch, batch_from_table
 
@@ -66,7 +69,7 @@ def _next_token_logprobs(model, batch: TrainBatch, micro: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _rollout_table(model_dir: Path, samples: int, prompt_tokens: int, response_tokens: int, micro: int) -> pa.Table:
+def rollout_table(model_dir: Path, samples: int, prompt_tokens: int, response_tokens: int, micro: int) -> pa.Table:
     generator = torch.Generator().manual_seed(1)
     vocab = LlamaConfig.from_pretrained(model_dir).vocab_size
     prompts = torch.randint(3, vocab, (samples, prompt_tokens), generator=generator)
@@ -81,25 +84,25 @@ def _rollout_table(model_dir: Path, samples: int, prompt_tokens: int, response_t
         advantages,
     )
     logprobs = _next_token_logprobs(_load(model_dir), unscored, micro)[:, prompt_tokens:]
-    return pa.Table.from_pydict(
-        {
-            "rollout_id": [0] * samples,
-            "sample_index": list(range(samples)),
-            "group_index": [i // 8 for i in range(samples)],
-            "adapter": pa.nulls(samples, ROLLOUT_SCHEMA.field("adapter").type),
-            "prompt_ids": prompts.tolist(),
-            "response_ids": responses.tolist(),
-            "response_length": [response_tokens] * samples,
-            "rollout_logprobs": logprobs.tolist(),
-            "loss_mask": [[1] * response_tokens] * samples,
-            "raw_reward": [0.0] * samples,
-            "advantage": advantages.tolist(),
-            "status": pa.array(["completed"] * samples).dictionary_encode().cast(ROLLOUT_SCHEMA.field("status").type),
-            "weight_version": [0] * samples,
-            "label": [""] * samples,
-            "prompt": [""] * samples,
-        },
-        schema=ROLLOUT_SCHEMA,
+    # Each sample a completion as the engine returns it: ended at a stop token, every token of weight version 0.
+    records = [
+        SampleRecord.completion(
+            None,
+            prompt,
+            GenerateResult(output_ids=ids, logprobs=lps, finish_reason="stop", weight_versions=[0] * response_tokens),
+            reward=0.0,
+            finished=True,
+        )
+        for prompt, ids, lps in zip(prompts.tolist(), responses.tolist(), logprobs.tolist(), strict=True)
+    ]
+    return records_table(
+        records,
+        rollout_id=0,
+        first_index=0,
+        group_index=[i // 8 for i in range(samples)],
+        adapter=[None] * samples,
+        label=[""] * samples,
+        advantage=advantages.tolist(),
     )
 
 
@@ -182,7 +185,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed train calls per side, after one warm-up")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override a.b=value")
-    args = parser.parse_args()
+    args = parse_args(
+        parser,
+        samples=8,
+        prompt_tokens=4,
+        response_tokens=4,
+        global_batch=4,
+        micro_batch=2,
+        hidden=64,
+        layers=1,
+        vocab=256,
+        repeats=1,
+        threads=1,
+    )
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     recompute = args.old_logprobs == "recompute"
@@ -225,7 +240,7 @@ def main() -> None:
         if config.algo.use_rollout_logprobs == recompute or config.algo.use_tis != recompute:
             parser.error("choose the old policy with --old-logprobs, not with algo.use_rollout_logprobs / algo.use_tis")
 
-        table = _rollout_table(model_dir, args.samples, args.prompt_tokens, args.response_tokens, args.micro_batch)
+        table = rollout_table(model_dir, args.samples, args.prompt_tokens, args.response_tokens, args.micro_batch)
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         ours = TrainActor(config, str(model_dir))
         plain = PlainTrainer(Path(model_dir), config, recompute)

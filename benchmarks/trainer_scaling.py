@@ -33,14 +33,16 @@ from pathlib import Path
 
 import ray
 import torch
-from random_llama import random_llama
 from torch.distributed.tensor import DTensor
-from train_step import _rollout_table
 from transformers.utils import logging as hf_logging
 
+from benchmarks.random_llama import random_llama
+from benchmarks.smoke import parse_args
+from benchmarks.train_step import rollout_table
 from miles.cluster import ensure_ray
 from miles.config import load_config
 from miles.run_dir import RunDir
+from miles.train.actor import TrainActor
 from miles.train.group import start_trainer_group
 
 WORKER_COUNTS = (1, 2)
@@ -86,11 +88,11 @@ def _measure(workers: int, model_dir: Path, run_dir: Path, table_ref: ray.Object
     )
     group = start_trainer_group(config, model_dir, None)
     try:
-        group.call("train", 0, table_ref)  # warm-up: FSDP2's lazy init, the optimizer state's allocation
+        group.call(TrainActor.train, 0, table_ref)  # warm-up: FSDP2's lazy init, the optimizer state's allocation
         times = []
         for rollout_id in range(1, args.steps + 1):
             started = time.perf_counter()
-            group.call("train", rollout_id, table_ref)
+            group.call(TrainActor.train, rollout_id, table_ref)
             times.append(time.perf_counter() - started)
         state_bytes = max(ray.get([handle.__ray_call__.remote(_training_state_bytes) for handle in group.handles]))
     finally:
@@ -108,7 +110,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--response-tokens", type=int, default=96)
     parser.add_argument("--steps", type=int, default=3, help="timed train calls per side, after one warm-up")
-    args = parser.parse_args()
+    args = parse_args(
+        parser, hidden=64, layers=1, vocab=256, batch=4, micro_batch=2, prompt_tokens=4, response_tokens=4, steps=1
+    )
     hf_logging.disable_progress_bar()
 
     with tempfile.TemporaryDirectory(prefix="trainer-scaling-") as workdir:
@@ -116,7 +120,7 @@ def main() -> None:
         positions = max(256, args.prompt_tokens + args.response_tokens)
         model = random_llama(model_dir, args.hidden, args.layers, args.vocab, positions)
         parameters = sum(p.numel() for p in model.parameters())
-        table = _rollout_table(model_dir, args.batch, args.prompt_tokens, args.response_tokens, args.micro_batch)
+        table = rollout_table(model_dir, args.batch, args.prompt_tokens, args.response_tokens, args.micro_batch)
         ensure_ray(None, max(WORKER_COUNTS))
         table_ref = ray.put(table)
         results = {

@@ -35,14 +35,16 @@ from pathlib import Path
 
 import ray
 import torch
-from random_llama import random_llama
 from transformers.utils import logging as hf_logging
 
+from benchmarks.random_llama import random_llama
+from benchmarks.smoke import parse_args
 from miles.cluster import RestartableActor, ensure_ray
 from miles.config import load_config
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.weight_transport import DiskPush, DistributedTransport
 from miles.run_dir import RunDir
+from miles.train.actor import TrainActor
 from miles.train.group import start_trainer_group
 
 
@@ -74,19 +76,19 @@ def _measure(model_dir: Path, run_dir: Path, args) -> tuple[dict[str, list[float
     ensure_ray(None, actors=config.ray_actors)
     trainer = RestartableActor("trainer", lambda: start_trainer_group(config, model_dir, None))
     controller = None
+    version = 0  # each push carries a new one, as if the trainer had trained in between
     try:
         controller = InferenceController(str(model_dir), 0, config.rollout)
         transport = DistributedTransport(
             trainer,
             lambda: controller.engines,
             controller.ranks_per_engine,
-            controller.distributed_load_format,
+            controller.engine_class.distributed_load_format,
             backend="gloo",
             timeout_s=600,
-            trainer_version=trainer.weights_version,
+            trainer_version=lambda: version,
         )
         times: dict[str, list[float]] = {"disk": [], "write": [], "load": [], "distributed": [], "first": []}
-        version = 0
 
         def landed() -> None:
             held = ray.get(controller.engines[0].weight_version.remote())
@@ -95,7 +97,7 @@ def _measure(model_dir: Path, run_dir: Path, args) -> tuple[dict[str, list[float
 
         def disk_push(record: bool) -> None:
             directory = run.engine_weights / str(version)
-            write = _timed(lambda: trainer.write_weights(str(directory)))
+            write = _timed(lambda: trainer.call(TrainActor.write_weights, str(directory)))
             load = _timed(lambda: controller.update_weights(DiskPush(directory, version)))
             landed()
             if record:
@@ -134,7 +136,7 @@ def main() -> None:
         "--bucket-mb", type=float, default=None, help="train.weight_bucket_mb (unset: the config's default)"
     )
     parser.add_argument("--rounds", type=int, default=5, help="timed pushes per transport, after one warm-up each")
-    args = parser.parse_args()
+    args = parse_args(parser, hidden=64, layers=1, vocab=256, rounds=1)
     hf_logging.disable_progress_bar()
 
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as workdir:

@@ -1,0 +1,75 @@
+"""Every benchmark still runs: each script answers --help, and its --smoke run (the tiniest sizes, the same steps)
+ends with its figure's line. A new script is picked up by its file name; nothing here checks a figure or a time."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deployments import postgres
+
+PROJECT = Path(__file__).resolve().parents[2]
+# Modules the scripts import; not run on their own.
+HELPERS = ("prefect_server", "random_llama", "smoke")
+SCRIPTS = sorted(path.stem for path in (PROJECT / "benchmarks").glob("*.py") if path.stem not in ("__init__", *HELPERS))
+# The name on each script's last line, `<name> <value>`.
+FIGURES = {
+    "async_vs_sync": "speedup",
+    "engine_throughput": "engine_speedup",
+    "episodes": "episode_batching_speedup",
+    "fully_async_vs_sync": "fully_async_speedup",
+    "gpu_tag": "gpu_tag_ratio",
+    "handover": "handover_speedup",
+    "long_run": "long_run_growth",
+    "multi_lora_memory": "memory_ratio",
+    "orchestration_overhead": "overhead_ratio",
+    "reward_scoring": "reward_scoring_vs_pool",
+    "sglang_client": "client_overhead",
+    "startup": "startup_seconds",
+    "task_run_cost": "task_run_server_ms",
+    "train_step": "train_overhead",
+    "trainer_scaling": "shard_memory_ratio",
+    "weight_sync": "weight_sync_speedup",
+}
+# The smoke runs of half a minute to a minute on 2 cores: each starts a Prefect API and Ray workers, startup the CLI.
+SLOW = {"async_vs_sync", "gpu_tag", "long_run", "orchestration_overhead", "startup"}
+
+
+def _benchmark(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{script}", *args],
+        cwd=PROJECT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_every_script_names_its_figure():
+    assert sorted(FIGURES) == SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    out = _benchmark(script, "--help")
+    assert out.returncode == 0, out.stderr
+    assert "--smoke" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "script", [pytest.param(script, marks=pytest.mark.slow) if script in SLOW else script for script in SCRIPTS]
+)
+def test_smoke(script, tmp_path, model_cache):
+    if script == "gpu_tag" and not postgres.installed():
+        pytest.skip("needs PostgreSQL (Debian's postgresql; .ci/run installs it)")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    # The session's model cache: the smoke runs' embedded model (no warm-up) is built once, in about a second.
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MILES_CACHE=str(model_cache))
+    out = _benchmark(script, "--smoke", env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, value = out.stdout.splitlines()[-1].split()
+    assert name == FIGURES[script]
+    float(value)  # raises unless the figure is a number
