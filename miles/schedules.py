@@ -65,30 +65,20 @@ def sync(run: RLRun, steps: Steps) -> Iterator[int]:
 def one_step_off_policy(run: RLRun, steps: Steps) -> Iterator[int]:
     """rl-async: rollout i+1 is generated while the trainer trains on rollout i; a sync waits for the generation and
     the evaluation in flight, so the engines never change weights in the middle of either."""
-    rollout_ids = run.rollout_ids()
-    evaluation = steps.evaluate.submit(run, rollout_ids.start) if run.should_evaluate(rollout_ids.start) else None
-    next_rollout = steps.generate.submit(run, rollout_ids.start) if rollout_ids else None
-    for rollout_id in rollout_ids:
-        table = steps.get(run, rollout_id, wait_for=[next_rollout])
-        next_rollout = steps.generate.submit(run, rollout_id + 1) if rollout_id + 1 in rollout_ids else None
-        steps.train_step(run, rollout_id, table)
-        if run.should_sync(rollout_id):
-            in_flight = [future for future in (next_rollout, evaluation) if future is not None]
-            steps.sync_weights(run, rollout_id, wait_for=in_flight)
-        if run.should_evaluate(rollout_id + 1):
-            evaluation = steps.evaluate.submit(run, rollout_id + 1, wait_for=[evaluation] if evaluation else None)
-        if run.should_save(rollout_id):
-            steps.save_checkpoint(run, rollout_id)
-        yield rollout_id
-    if evaluation is not None:
-        evaluation.result()
+    return _generating_ahead(run, steps, window=1, pushes_wait_for_generations=True)
 
 
 def fully_async(run: RLRun, steps: Steps) -> Iterator[int]:
     """rl-fully-async: up to rollout.max_rollouts_in_flight generations run ahead of training, and weight pushes land
     in the middle of them (only an evaluation is waited for, so that it sees one version of the weights)."""
-    rollout_ids = run.rollout_ids()
     window = run.config.rollout.max_rollouts_in_flight
+    return _generating_ahead(run, steps, window, pushes_wait_for_generations=False)
+
+
+def _generating_ahead(run: RLRun, steps: Steps, window: int, pushes_wait_for_generations: bool) -> Iterator[int]:
+    """The two off-policy graphs: `window` generations in flight ahead of the rollout being trained; a push waits
+    for the evaluation in flight, and for the generations too when `pushes_wait_for_generations`."""
+    rollout_ids = run.rollout_ids()
     evaluation = steps.evaluate.submit(run, rollout_ids.start) if run.should_evaluate(rollout_ids.start) else None
     in_flight = {i: steps.generate.submit(run, i) for i in rollout_ids[:window]}
     for rollout_id in rollout_ids:
@@ -97,7 +87,8 @@ def fully_async(run: RLRun, steps: Steps) -> Iterator[int]:
             in_flight[rollout_id + window] = steps.generate.submit(run, rollout_id + window)
         steps.train_step(run, rollout_id, table)
         if run.should_sync(rollout_id):
-            steps.sync_weights(run, rollout_id, wait_for=[evaluation] if evaluation else None)
+            generations = list(in_flight.values()) if pushes_wait_for_generations else []
+            steps.sync_weights(run, rollout_id, wait_for=[*generations, *([evaluation] if evaluation else [])])
         if run.should_evaluate(rollout_id + 1):
             evaluation = steps.evaluate.submit(run, rollout_id + 1, wait_for=[evaluation] if evaluation else None)
         if run.should_save(rollout_id):
