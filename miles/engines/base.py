@@ -102,6 +102,18 @@ def check_adapters_loaded(requests: list[GenerateRequest], loaded) -> None:
         raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(loaded)}")
 
 
+def shared_launch_args(model_dir: str, weight_version: int, rollout: RolloutConfig) -> dict[str, Any]:
+    """The launch arguments every engine takes: the model and its version, the device, and how requests are
+    scheduled and paused for a push."""
+    return dict(
+        model_dir=model_dir,
+        weight_version=weight_version,
+        device=rollout.device,
+        max_running_requests=rollout.max_running_requests,
+        pause_generation_mode=rollout.pause_generation_mode,
+    )
+
+
 class RolloutEngine(Protocol):
     """What the InferenceController and the weight transports ask of an engine class: how to launch it from the run's
     config, the calls on a running engine (each in its Ray actor), and the weight transports it takes, each with its

@@ -42,6 +42,7 @@ from miles.engines.base import (
     GenerateResult,
     check_adapters_loaded,
     safetensors_first_rows,
+    shared_launch_args,
 )
 from miles.weight_group import FLATTENED, TensorSpec, WeightGroup, check_first_rows
 
@@ -60,15 +61,11 @@ class SGLangEngine:
     def launch_args(
         cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
     ) -> dict[str, Any]:
-        args = dict(
-            model_dir=model_dir,
-            weight_version=weight_version,
-            device=rollout.device,
-            config=rollout.sglang,
-            timeout_s=rollout.engine_timeout_s,
-            max_running_requests=rollout.max_running_requests,
-            pause_generation_mode=rollout.pause_generation_mode,
-        )
+        args = {
+            **shared_launch_args(model_dir, weight_version, rollout),
+            "config": rollout.sglang,
+            "timeout_s": rollout.engine_timeout_s,
+        }
         if adapters:  # the server sizes its LoRA pool by them
             args.update(
                 lora_rank=max(a.rank for a in adapters),

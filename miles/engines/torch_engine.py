@@ -33,7 +33,13 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from miles.config import AdapterConfig, RolloutConfig
-from miles.engines.base import GenerateRequest, GenerateResult, check_adapters_loaded, read_safetensors
+from miles.engines.base import (
+    GenerateRequest,
+    GenerateResult,
+    check_adapters_loaded,
+    read_safetensors,
+    shared_launch_args,
+)
 from miles.train.lora import is_adapter_key
 from miles.weight_group import Membership, TensorSpec, WeightGroup, first_rows, receive_bucket
 
@@ -50,14 +56,7 @@ class TorchEngine:
     def launch_args(
         cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
     ) -> dict[str, Any]:
-        return dict(
-            model_dir=model_dir,
-            weight_version=weight_version,
-            device=rollout.device,
-            num_threads=rollout.num_threads,
-            max_running_requests=rollout.max_running_requests,
-            pause_generation_mode=rollout.pause_generation_mode,
-        )
+        return {**shared_launch_args(model_dir, weight_version, rollout), "num_threads": rollout.num_threads}
 
     @classmethod
     def ranks(cls, rollout: RolloutConfig) -> int:
