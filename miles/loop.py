@@ -20,7 +20,8 @@ STEP_THREADS = 16
 
 class PlainStep:
     """A step run in this process: `call(run, *args)` once the futures in `wait_for` are done (an upstream
-    failure is raised here, as a Prefect task's upstream failure stops it)."""
+    failure is raised here, as a Prefect task's upstream failure stops it); a future among the arguments is its
+    result, as Prefect resolves one among a task's arguments."""
 
     def __init__(self, call: Callable[..., Any], threads: ThreadPoolExecutor):
         self.call = call
@@ -29,7 +30,7 @@ class PlainStep:
     def __call__(self, run: Any, *args: Any, wait_for: list | None = None) -> Any:
         for upstream in wait_for or ():
             upstream.result()
-        return self.call(run, *args)
+        return self.call(run, *(arg.result() if isinstance(arg, Future) else arg for arg in args))
 
     def submit(self, run: Any, *args: Any, wait_for: list | None = None) -> Future:
         return self.threads.submit(self, run, *args, wait_for=wait_for)
@@ -43,17 +44,12 @@ def plain_steps() -> Iterator[Steps]:
             evaluate=PlainStep(lambda run, rollout_id: run.evaluate(rollout_id), threads),
             generate=PlainStep(lambda run, rollout_id: run.generate(rollout_id), threads),
             get=PlainStep(lambda run, rollout_id: run.get(rollout_id), threads),
-            train_step=PlainStep(lambda run, rollout_id, table: run.train(rollout_id, _resolved(table)), threads),
+            train_step=PlainStep(lambda run, rollout_id, table: run.train(rollout_id, table), threads),
             sync_weights=PlainStep(lambda run, rollout_id: run.sync_weights(rollout_id), threads),
             save_checkpoint=PlainStep(lambda run, rollout_id: run.save_checkpoint(rollout_id), threads),
             push_adapter=PlainStep(lambda run, rollout_id: run.push_adapter(rollout_id), threads),
             retire_adapter=PlainStep(lambda run: run.retire(), threads),
         )
-
-
-def _resolved(value: Any) -> Any:
-    """A future passed as an argument is its result, as Prefect resolves a future among a task's arguments."""
-    return value.result() if isinstance(value, Future) else value
 
 
 def run_sync(config: RunConfig) -> list[dict[str, Any]]:
