@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
-.PHONY: install install-gpu run run-gpu test ui server server-postgres
+.PHONY: install install-gpu install-sglang-cpu run run-gpu test ui server server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -29,16 +29,29 @@ $(SGLANG_VENV)/.installed:
 	$(SGLANG_VENV)/bin/python -m pip install -q "sglang==0.5.23"
 	touch $@
 
+# The real SGLang server on this CPU, for the contract suite (tests/miles/engines/test_sglang_contract.py): its own
+# environment, cached under ~/.cache by the hash of what makes it, so a new checkout on the same machine reuses it.
+SGLANG_CPU_KEY := $(shell cat requirements/sglang-cpu.txt tests/sglang_cpu/sgl_kernel/__init__.py | sha256sum | cut -c1-12)
+SGLANG_CPU_VENV ?= $(HOME)/.cache/miles-flow/sglang-cpu-$(SGLANG_CPU_KEY)
+install-sglang-cpu: $(SGLANG_CPU_VENV)/.installed
+
+$(SGLANG_CPU_VENV)/.installed:
+	rm -rf $(SGLANG_CPU_VENV) && python3 -m venv $(SGLANG_CPU_VENV)
+	$(SGLANG_CPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_CPU_VENV)/bin/python -m pip install -q --no-deps -r requirements/sglang-cpu.txt "sglang==0.5.23"
+	cp -r tests/sglang_cpu/sgl_kernel "$$($(SGLANG_CPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	touch $@
+
 # The sync flow with SGLang serving the rollouts and the trainer on the same GPU (SGLang takes half its memory).
 run-gpu: install-gpu
 	$(VENV)/bin/miles run sync --set rollout.engine=sglang --set rollout.sglang.python=$(CURDIR)/$(SGLANG_VENV)/bin/python \
 		--set rollout.device=cuda --set train.device=cuda --set rollout.sglang.mem_fraction_static=0.5
 
 # Lint and format checks first: a failing one stops the run before the slow tests.
-test: install
+test: install install-sglang-cpu
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q
 
 ui: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200

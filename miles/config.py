@@ -176,6 +176,17 @@ class SGLangConfig(_Section):
     extra_args: list[str] = Field(
         default_factory=list, description="further launch_server flags, e.g. ['--attention-backend', 'fa3']"
     )
+    attention_backend: str | None = Field(
+        None,
+        description="--attention-backend; unset: SGLang's choice on a GPU, torch_native on a CPU (SGLang's CPU default "
+        "needs a CPU build of its kernel package, which is not published)",
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="--max-total-tokens, the KV cache's size in tokens; unset: SGLang sizes it from "
+        "mem_fraction_static on a GPU, and 8192 on a CPU (its own choice there takes most of the machine's memory)",
+    )
     startup_timeout_s: float = Field(
         900.0, gt=0, description="a server not answering /health_generate by then fails to start"
     )
@@ -183,7 +194,9 @@ class SGLangConfig(_Section):
     deterministic_inference: bool = Field(
         True,
         description="launch with --enable-deterministic-inference: SGLang honours each request's sampling_seed only "
-        "then, so a retried rollout samples the same tokens; false: faster kernels, retries resample",
+        "then, so a retried rollout samples the same tokens; false: faster kernels, retries resample. SGLang allows "
+        "it with the GPU attention backends only: with torch_native (the CPU's) the server starts without it and says "
+        "so in its log",
     )
 
 

@@ -48,6 +48,8 @@ from miles.weight_group import FLATTENED, TensorSpec, WeightGroup, check_first_r
 
 log = logging.getLogger(__name__)
 
+CPU_KV_CACHE_TOKENS = 8192
+NONDETERMINISTIC_BACKENDS = {"torch_native"}  # SGLang refuses --enable-deterministic-inference with these
 _PR_SET_PDEATHSIG = 1
 _LOG_TAIL_LINES = 30
 _POLL_S = 0.5
@@ -101,6 +103,7 @@ class SGLangEngine:
         self.url = f"http://127.0.0.1:{port}"
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
         config = self.config
+        on_cpu = device == "cpu"
         command = [
             config.python or sys.executable,
             "-m",
@@ -117,7 +120,16 @@ class SGLangEngine:
             str(config.tp_size),
             "--weight-version",
             str(weight_version),
+            # SGLang's `auto` serves an fp32 checkpoint in fp16; the trainer's log-probs are in the model's dtype
+            "--dtype",
+            model_dtype(self.model_dir),
         ]
+        attention_backend = config.attention_backend or ("torch_native" if on_cpu else None)
+        if attention_backend is not None:
+            command += ["--attention-backend", attention_backend]
+        max_total_tokens = config.max_total_tokens or (CPU_KV_CACHE_TOKENS if on_cpu else None)
+        if max_total_tokens is not None:
+            command += ["--max-total-tokens", str(max_total_tokens)]
         if max_running_requests is not None:
             command += ["--max-running-requests", str(max_running_requests)]
         if config.mem_fraction_static is not None:
@@ -132,9 +144,17 @@ class SGLangEngine:
                 "--lora-target-modules",
                 *(lora_target_modules or []),
             ]
-        if config.deterministic_inference:
+        if config.deterministic_inference and attention_backend not in NONDETERMINISTIC_BACKENDS:
             command.append("--enable-deterministic-inference")
+        elif config.deterministic_inference:
+            log.warning(
+                "sglang: --attention-backend %s does not allow --enable-deterministic-inference; sampling_seed is not "
+                "honoured, so a retried rollout samples other tokens",
+                attention_backend,
+            )
         command += config.extra_args
+        # SGLang's CPU engine is chosen by this variable; without it `--device cpu` still reaches CUDA-only kernels.
+        environment = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"} if on_cpu else None
         with open(self._log_path, "ab") as server_log:
             # Its own process group, so shutdown stops the server's workers too; and it dies with this actor, so a
             # killed actor never leaves a server holding the GPU and the port.
@@ -143,6 +163,7 @@ class SGLangEngine:
                 stdout=server_log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=environment,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
@@ -268,7 +289,7 @@ class SGLangEngine:
                     {
                         "model_path": directory,
                         "weight_version": str(version),
-                        "flush_cache": False,
+                        "flush_cache": self._flush_cache,
                         "abort_all_requests": False,
                     },
                 ).json()
@@ -309,22 +330,28 @@ class SGLangEngine:
                         "dtypes": [dtype for _, dtype, _ in specs],
                         "shapes": [shape for _, _, shape in specs],
                         "group_name": group.group_name,
-                        "flush_cache": False,
+                        "flush_cache": self._flush_cache and last,  # once the whole model has landed
                         "weight_version": str(version),
                         "load_format": load_format,
                     },
                 ).json()
-                for specs in buckets
+                for last, specs in ((i == len(buckets) - 1, specs) for i, specs in enumerate(buckets))
             ],
         )
         self._check_answers(answers, version)
         self._weight_version = version
         return self._read_back([name for specs in buckets for name, _, _ in specs])
 
+    @property
+    def _flush_cache(self) -> bool:
+        """Whether a load flushes the prefix (radix) cache, whose keys and values the old weights computed: always,
+        but in pause mode in_place, where SGLang refuses a flush while requests run (they keep their cache)."""
+        return self.pause_generation_mode != "in_place"
+
     def _refit(self, version: int, load: Callable[[], list[dict]]) -> list[dict]:
         """SGLang's refit order around `load`; generation resumes whatever happens, and a failed session is closed.
         The requests in flight are paused, not aborted (rollout.pause_generation_mode), and go on with the new
-        weights. No cache flush: SGLang refuses one while requests wait."""
+        weights; in mode retract they wait in the queue, which a flush ignores while generation is paused."""
         self._post("/pause_generation", {"mode": self.pause_generation_mode})
         try:
             self._post("/begin_weight_update")
@@ -406,6 +433,13 @@ def _sampling_params(request: GenerateRequest) -> dict:
         "skip_special_tokens": False,
         "sampling_seed": request.seed,
     }
+
+
+def model_dtype(model_dir: Path) -> str:
+    """The dtype of a model directory's weights, as its config.json names it (`dtype`, or the older `torch_dtype`);
+    "auto" when it names none."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("dtype") or config.get("torch_dtype") or "auto"
 
 
 def _free_port() -> int:

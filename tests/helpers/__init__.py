@@ -29,13 +29,16 @@ def small_config_for(model_dir: Path, run_dir: Path, *overrides: str, **fields):
 
 
 SGLANG_STAND_IN = "tests.miles.engines.sglang_server"  # launched in place of sglang.launch_server
+GPU_ATTENTION_BACKEND = "fa3"  # one that allows --enable-deterministic-inference, as a GPU server's does
 
 
 def sglang_overrides() -> list[str]:
-    """The SGLang engine, served by the stand-in server (SGLang itself needs a GPU)."""
+    """The SGLang engine, served by the stand-in server playing a GPU server: seeded sampling, so that runs compare
+    bit for bit (the real server on this CPU cannot seed its sampling: tests/miles/engines/test_sglang_contract.py)."""
     return [
         "rollout.engine=sglang",
         f"rollout.sglang.server_module={SGLANG_STAND_IN}",
+        f"rollout.sglang.attention_backend={GPU_ATTENTION_BACKEND}",
         "rollout.sglang.health_timeout_s=5",
     ]
 

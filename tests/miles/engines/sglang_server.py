@@ -120,7 +120,9 @@ class StandInServer:
 
         self.engine._step = counted
         self.weight_groups: dict[str, torch.distributed.ProcessGroup] = {}
+        self.cached_prefixes: set[tuple[int, ...]] = set()  # what SGLang's radix cache would hold
         self._paused = False
+        self._pause_mode = "abort"
         self._state = threading.Lock()
 
     def _run(self, requests: list[GenerateRequest]) -> list:
@@ -202,17 +204,45 @@ class StandInServer:
                 )
             )
         started = time.perf_counter()
+        cached = [self.cached_tokens(r.prompt_ids) for r in requests]
         results = self._run(requests)
+        for request, result in zip(requests, results, strict=True):
+            sequence = (*request.prompt_ids, *result.output_ids)
+            self.cached_prefixes.update(sequence[:end] for end in range(1, len(sequence) + 1))
         outputs = [
-            self._output(r, q, p, body.get("return_logprob", False), started)
-            for r, q, p in zip(results, requests, params, strict=True)
+            self._output(r, q, p, body.get("return_logprob", False), started, c)
+            for r, q, p, c in zip(results, requests, params, cached, strict=True)
         ]
         return JSONResponse(outputs[0] if single else outputs)
+
+    def cached_tokens(self, prompt: list[int]) -> int:
+        """The prompt's longest cached prefix, short of its last token (whose logits a request needs)."""
+        return max((end for end in range(len(prompt)) if tuple(prompt[:end]) in self.cached_prefixes), default=0)
+
+    def flush_cache(self) -> bool:
+        """As SGLang's flush: refused while a request runs, unless generation is paused in mode retract (the
+        requests then wait in the queue, which a paused server's flush ignores)."""
+        if self.running and not (self._paused and self._pause_mode == "retract"):
+            return False
+        self.cached_prefixes.clear()
+        return True
+
+    def flushed_after_load(self, body: dict) -> JSONResponse | None:
+        """The failure SGLang answers when a load asked for a flush it could not make; None when all is well."""
+        if body.get("flush_cache", True) and not self.flush_cache():
+            message = (
+                "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+                "Retract or finish them, then call /flush_cache."
+            )
+            return JSONResponse({"success": False, "message": message}, status_code=400)
+        return None
 
     def stops_on_eos(self, params: dict) -> tuple[int, ...]:
         return () if params.get("ignore_eos", False) else self.eos_ids
 
-    def _output(self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float) -> dict:
+    def _output(
+        self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float, cached: int
+    ) -> dict:
         if result.finish_reason == "abort":
             finish = {"type": "abort", "message": "Abort in running batch.", "status_code": 503}
             output_ids = result.output_ids
@@ -229,12 +259,10 @@ class StandInServer:
             # the version when the request finished, as SGLang stamps it (a batch answers once all have)
             "weight_version": str(result.weight_versions[-1]) if result.weight_versions else self.weight_version,
             "completion_tokens": len(result.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": cached,
             "e2e_latency": time.perf_counter() - started,
         }
-        spans = _version_spans(result.weight_versions)
-        if len(spans) > 1:  # a refit came while the request ran
-            meta["weight_versions"] = spans
+        meta["weight_versions"] = _version_spans(result.weight_versions)
         if return_logprob:
             meta["output_token_logprobs"] = [
                 [None if self.null_logprobs else lp, token, None]
@@ -261,7 +289,7 @@ class StandInServer:
                 self.abort_epoch += 1
             if not self._paused:
                 self.engine.pause_generation(mode)
-                self._paused = True
+                self._paused, self._pause_mode = True, mode
             elif mode == "abort":
                 self.engine.pause_generation(mode)
                 self.engine.continue_generation()
@@ -297,6 +325,9 @@ class StandInServer:
                 },
                 status_code=400,
             )
+        refused = self.flushed_after_load(body)
+        if refused is not None:
+            return refused
         message = "Succeeded to update model weights."
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {self.weight_version}."
@@ -342,7 +373,9 @@ class StandInServer:
                 "updated. Please discard the whole weights."
             )
             return JSONResponse({"success": False, "message": message}, status_code=400)
-        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+        return self.flushed_after_load(body) or JSONResponse(
+            {"success": True, "message": "Succeeded to update parameter online."}
+        )
 
     def destroy_weights_group(self, body: dict) -> JSONResponse:
         group = self.weight_groups.pop(body.get("group_name", "weight_update_group"), None)
@@ -453,7 +486,7 @@ def build_app(server: StandInServer) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     def flush_cache():
-        if server.running:
+        if not server.flush_cache():
             return PlainTextResponse("Flush cache failed.\n", status_code=400)
         return PlainTextResponse(
             "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
@@ -526,6 +559,9 @@ def main() -> None:
     parser.add_argument("--tp-size", type=int, default=1, choices=[1])
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--mem-fraction-static", type=float)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32"])  # it serves in fp32
+    parser.add_argument("--attention-backend")
+    parser.add_argument("--max-total-tokens", type=int)
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int)
     parser.add_argument("--lora-target-modules", nargs="+")
@@ -533,6 +569,8 @@ def main() -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--max-running-requests", type=int)
     args = parser.parse_args()
+    if args.enable_deterministic_inference and args.attention_backend == "torch_native":
+        parser.error("--enable-deterministic-inference is not supported with --attention-backend torch_native")
     torch.manual_seed(0)
     server = StandInServer(args)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="info", access_log=True)

@@ -24,14 +24,15 @@ from miles.engines.base import EngineUnavailable, GenerateRequest, SamplingParam
 from miles.engines.sglang_engine import SGLangEngine, token_versions
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import FLATTENED, check_first_rows, first_rows
-from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory
+from tests.helpers import GPU_ATTENTION_BACKEND, SGLANG_STAND_IN, perturbed_weights, weights_directory
 from tests.helpers.engine_contract import contract_violations
 from tests.helpers.faults import sglang_server_pid
 from tests.helpers.samples import ADAPTER_PROMPTS, make_requests, seeded, with_adapter
 from tests.helpers.waiting import eventually
 from tests.helpers.weight_sender import Sender, bucket_specs, in_buckets, new_group
 
-STAND_IN = SGLangConfig(server_module=SGLANG_STAND_IN, health_timeout_s=5)
+# The stand-in plays a GPU server here: its attention backend allows seeded sampling, which these tests compare.
+STAND_IN = SGLangConfig(server_module=SGLANG_STAND_IN, health_timeout_s=5, attention_backend=GPU_ATTENTION_BACKEND)
 
 
 def _start(tiny_model_dir, **kwargs) -> SGLangEngine:
