@@ -87,6 +87,7 @@ def _measure(model_dir: Path, run_dir: Path, args) -> tuple[dict[str, list[float
             backend="gloo",
             timeout_s=600,
             trainer_version=lambda: version,
+            probe=lambda: trainer.call(TrainActor.weight_probe),
         )
         times: dict[str, list[float]] = {"disk": [], "write": [], "load": [], "distributed": [], "first": []}
 
@@ -98,7 +99,8 @@ def _measure(model_dir: Path, run_dir: Path, args) -> tuple[dict[str, list[float
         def disk_push(record: bool) -> None:
             directory = run.engine_weights / str(version)
             write = _timed(lambda: trainer.call(TrainActor.write_weights, str(directory)))
-            load = _timed(lambda: controller.update_weights(DiskPush(directory, version)))
+            probe = trainer.call(TrainActor.weight_probe)
+            load = _timed(lambda: controller.update_weights(DiskPush(directory, version, probe)))
             landed()
             if record:
                 times["disk"].append(write + load)

@@ -252,6 +252,12 @@ class RolloutConfig(_Section):
         "under the run directory), distributed (a broadcast from the trainer's rank 0); unset: the engine's own "
         "choice (object_store for torch, disk for sglang)",
     )
+    push_check_atol: float = Field(
+        0.05,
+        gt=0,
+        description="a weight push has landed when each engine's log-probs of a fixed 16-token sequence are within "
+        "this of the trainer's (mean absolute difference per token; miles.weight_check)",
+    )
     sglang: SGLangConfig = SGLangConfig()
     env: str | None = Field(
         None,

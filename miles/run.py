@@ -138,6 +138,7 @@ class RLRun:
                 backend="nccl" if config.rollout.device.startswith("cuda") else "gloo",
                 timeout_s=config.rollout.engine_timeout_s,
                 trainer_version=lambda: self.iterations.trainer_version,
+                probe=lambda: self.trainer.call(TrainActor.weight_probe),
             )
             self._push_replayed_weights(plan)
             self.reporter = IterationReporter(config.num_rollout, plan.first_rollout_id)
@@ -187,13 +188,15 @@ class RLRun:
         if version == self.controller.weight_version():
             return
         if self.transport == "object_store":
+            probe = self.trainer.call(TrainActor.weight_probe)
             self.trainer.hand_over(
-                TrainActor.weights, to=lambda weights: self.controller.update_weights(ObjectStorePush(weights, version))
+                TrainActor.weights,
+                to=lambda weights: self.controller.update_weights(ObjectStorePush(weights, version, probe)),
             )
         elif self.transport == "disk":
             directory = self.run_dir.engine_weights / str(version)
             self.trainer.call(TrainActor.write_weights, str(directory))
-            self.controller.update_weights(DiskPush(directory, version))
+            self.controller.update_weights(DiskPush(directory, version, self.trainer.call(TrainActor.weight_probe)))
         else:
             self.controller.update_weights(self._weight_group.push(version))
 

@@ -157,27 +157,3 @@ def receive_bucket(
 def _wait_all(works: list) -> None:
     for work in works:
         work.wait()
-
-
-def first_rows(named_tensors: dict[str, torch.Tensor]) -> dict[str, list]:
-    """Each tensor's first row (a scalar stays whole), as float lists: what `/get_weights_by_name` answers with
-    `truncate_size=1`, to compare what an engine holds with what was sent."""
-    return {name: t.detach()[:1].float().cpu().tolist() if t.dim() else [float(t)] for name, t in named_tensors.items()}
-
-
-def check_first_rows(served: dict[str, list | None], sent: dict[str, list], engine: str, version: int) -> None:
-    """Raise ValueError naming the tensors an engine does not hold as sent: names it does not know (None) and
-    first rows that differ beyond the rounding of a bfloat16 engine."""
-    unknown = [name for name in sent if served.get(name) is None]
-    differ = [
-        name
-        for name, row in sent.items()
-        if served.get(name) is not None
-        and not torch.allclose(torch.tensor(served[name]), torch.tensor(row), rtol=2**-7, atol=1e-6)
-    ]
-    if unknown or differ:
-        raise ValueError(
-            f"{engine} reported weights version {version} loaded, but does not hold them: "
-            f"{len(unknown)} tensor names unknown to it {unknown[:5]}, "
-            f"{len(differ)} tensors that differ from the sent ones {differ[:5]}"
-        )

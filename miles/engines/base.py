@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from miles.config import AdapterConfig, RolloutConfig
-from miles.weight_group import TensorSpec, WeightGroup, first_rows
+from miles.weight_group import TensorSpec, WeightGroup
 
 
 class EngineUnavailable(RuntimeError):
@@ -84,17 +83,6 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return {name: tensor for path in files for name, tensor in load_file(path).items()}
 
 
-def safetensors_first_rows(directory: Path) -> dict[str, list]:
-    """The first row of every tensor of a model directory's safetensors files, read without loading the rest."""
-    rows = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as tensors:
-            for name in tensors.keys():
-                part = tensors.get_slice(name)
-                rows.update(first_rows({name: part[:1] if part.get_shape() else tensors.get_tensor(name)}))
-    return rows
-
-
 def check_adapters_loaded(requests: list[GenerateRequest], loaded) -> None:
     """Refuse requests that name an adapter not in `loaded`, before any of the batch runs."""
     unknown = sorted({r.adapter for r in requests if r.adapter is not None and r.adapter not in loaded})
@@ -153,8 +141,13 @@ class RolloutEngine(Protocol):
         buckets: list[list[TensorSpec]],
         version: int,
         load_format: str | None = None,
-    ) -> dict[str, list | None]:
-        """Transport distributed: a broadcast over a weight-update group; returns the first rows it then holds."""
+    ) -> None:
+        """Transport distributed: a broadcast over a weight-update group."""
+        ...
+
+    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The log-prob of each of `token_ids[1:]` given the tokens before it, under the weights served now (at
+        temperature 1, no adapter): what the push check compares with the trainer's (miles.weight_check)."""
         ...
 
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None: ...

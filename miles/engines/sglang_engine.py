@@ -4,8 +4,8 @@ The server is `python -m sglang.launch_server` (SGLang 0.5.23), bound to 127.0.0
 Python of SGLang's own environment when `rollout.sglang.python` names one. Requests
 carry token ids and come back as token ids with their log-probs, so nothing is re-tokenized. Full weights arrive
 inside a paused weight-update session, from the model directory the trainer wrote (`/update_weights_from_disk`) or
-broadcast by the trainer over a weight-update group (`/update_weights_from_distributed`), and are read back with
-`/get_weights_by_name` (SGLang reports a load successful even when it skipped names it does not know). Adapters are
+broadcast by the trainer over a weight-update group (`/update_weights_from_distributed`); the prefix cache is
+flushed with each load, and the controller checks what is served (miles.weight_check). Adapters are
 written as PEFT directories and loaded with `/load_lora_adapter`. Nothing needs pickle.
 
 A refused connection, a 5xx answer or a timeout raises EngineUnavailable, and `health()` is False once
@@ -41,10 +41,9 @@ from miles.engines.base import (
     GenerateRequest,
     GenerateResult,
     check_adapters_loaded,
-    safetensors_first_rows,
     shared_launch_args,
 )
-from miles.weight_group import FLATTENED, TensorSpec, WeightGroup, check_first_rows
+from miles.weight_group import FLATTENED, TensorSpec, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +277,7 @@ class SGLangEngine:
         )
 
     def update_weights_from_disk(self, directory: str, version: int) -> None:
-        """Load the model directory the trainer wrote (`/update_weights_from_disk`), then read it back."""
+        """Load the model directory the trainer wrote (`/update_weights_from_disk`)."""
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
         answer = self._refit(
@@ -296,8 +295,6 @@ class SGLangEngine:
             ],
         )
         self._check_answers(answer, version)
-        sent = safetensors_first_rows(Path(directory))
-        check_first_rows(self._read_back(list(sent)), sent, f"sglang server at {self.url}", version)
         self._weight_version = version
 
     def update_weights_from_distributed(
@@ -307,11 +304,10 @@ class SGLangEngine:
         buckets: list[list[TensorSpec]],
         version: int,
         load_format: str | None = None,
-    ) -> dict[str, list | None]:
+    ) -> None:
         """Receive the weights broadcast over the weight-update `group` (`/init_weights_update_group` as
         `rank_offset` when the group is new; it blocks until the trainer joins), one
-        `/update_weights_from_distributed` per bucket. Returns the first rows the server then holds, for the sender
-        to check (SGLang loads by name and skips names it does not know)."""
+        `/update_weights_from_distributed` per bucket."""
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
         if self._weight_group != group.group_name:
@@ -340,7 +336,21 @@ class SGLangEngine:
         )
         self._check_answers(answers, version)
         self._weight_version = version
-        return self._read_back([name for specs in buckets for name, _, _ in specs])
+
+    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The prompt's own log-probs (`input_token_logprobs` from its first token on); the first token has none."""
+        body = {
+            "input_ids": token_ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        pairs = self._post("/generate", body).json()["meta_info"]["input_token_logprobs"]
+        if len(pairs) != len(token_ids) or any(p[0] is None for p in pairs[1:]):
+            raise EngineUnavailable(
+                f"sglang server at {self.url} gave {len(pairs)} prompt log-probs for {len(token_ids)} tokens: {pairs}"
+            )
+        return [float(p[0]) for p in pairs[1:]]
 
     @property
     def _flush_cache(self) -> bool:
@@ -366,16 +376,6 @@ class SGLangEngine:
         failed = [answer.get("message") for answer in answers if not answer.get("success", False)]
         if failed:
             raise RuntimeError(f"sglang server at {self.url} failed to load weights version {version}: {failed[0]}")
-
-    def _read_back(self, names: list[str]) -> dict[str, list | None]:
-        """Each tensor's first row as the server holds it (`/get_weights_by_name`); None for a name it does not have."""
-        rows: dict[str, list | None] = {}
-        for name in names:
-            try:
-                rows[name] = self._post("/get_weights_by_name", {"name": name, "truncate_size": 1}).json()
-            except ValueError:  # 400: the server has no parameter of that name
-                rows[name] = None
-        return rows
 
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
         """Load (or replace) LoRA adapter `name`: SGLang refuses a name loaded twice, so a new version unloads first."""

@@ -40,8 +40,9 @@ from miles.engines.base import (
     read_safetensors,
     shared_launch_args,
 )
+from miles.train.logprobs import token_logprobs
 from miles.train.lora import is_adapter_key
-from miles.weight_group import Membership, TensorSpec, WeightGroup, first_rows, receive_bucket
+from miles.weight_group import Membership, TensorSpec, WeightGroup, receive_bucket
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 PAUSE_MODES = ("abort", "retract", "in_place")  # as SGLang's /pause_generation
@@ -180,12 +181,11 @@ class TorchEngine:
         buckets: list[list[TensorSpec]],
         version: int,
         load_format: str | None = None,
-    ) -> dict[str, list | None]:
+    ) -> None:
         """Receive the weights broadcast over the weight-update `group` (joined as `rank_offset` when new), bucket
         by bucket, into the model: tensor by tensor straight into the parameters, or as flattened buckets. A failed
-        broadcast leaves the weights partly updated (as SGLang's do) until the next push lands. Returns the first
-        row of each received tensor as the model now holds it (None for a name the model does not have), for the
-        sender to check."""
+        broadcast leaves the weights partly updated (as SGLang's do) until the next push lands; as SGLang, a name the
+        model does not have is skipped, and the push check finds it out."""
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
         process_group = self._weight_group.of(group, rank_offset)
@@ -196,9 +196,18 @@ class TorchEngine:
                     if name in parameters and tensor is not parameters[name]:
                         parameters[name].copy_(tensor)
             self._weight_version = version
-        names = [name for specs in buckets for name, _, _ in specs]
-        held = first_rows({name: parameters[name] for name in names if name in parameters})
-        return {name: held.get(name) for name in names}
+
+    @torch.inference_mode()
+    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        with self.paused("in_place"):
+            ids = torch.tensor([token_ids], device=self.device)
+            model = self.model
+            if isinstance(model, PeftModel):
+                with model.disable_adapter():
+                    logits = model(input_ids=ids).logits
+            else:
+                logits = model(input_ids=ids).logits
+        return token_logprobs(logits.float(), ids)[0, 1:].tolist()
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order, once every request of the call has finished; the requests join whatever the

@@ -140,6 +140,9 @@ class InferenceController:
             finally:
                 results = dict(zip(refs, ray.get(list(refs.values())), strict=True))
             push.check(results)
+            if push.probe is not None:
+                served = ray.get([self.engines[i].sequence_logprobs.remote(push.probe.token_ids) for i in targets])
+                push.probe.check_all(dict(zip(targets, served, strict=True)), push.version)
             self._push, self._weight_version = push, push.version
         for i in restarted:
             for name, (tensors_ref, config, version) in self._adapters.items():
@@ -160,6 +163,9 @@ class InferenceController:
             engines = range(len(self.engines))
             results = self._on_engines(push.method, {i: push.engine_args(i) for i in engines}, alongside=push.send)
             push.check(dict(zip(engines, results, strict=True)))
+            if push.probe is not None:
+                served = self._on_every_engine(RolloutEngine.sequence_logprobs, push.probe.token_ids)
+                push.probe.check_all(dict(enumerate(served)), push.version)
             self._push, self._weight_version = push, push.version
         push.landed()
 

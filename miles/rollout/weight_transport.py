@@ -13,7 +13,8 @@
 Which transports an engine takes is its class's `weight_transports` (miles.engines.weight_transport picks one).
 
 A push is a `WeightPush`: the engine method that loads it and its arguments per engine, what the sender does while
-the engines receive, and the check of what the engines then hold. An engine restarted by the controller gets the
+the engines receive, and its `probe`, the trainer's log-probs of a fixed sequence under the pushed weights, against
+which the controller checks what every engine then serves (miles.weight_check). An engine restarted by the controller gets the
 push's `refill`: the same files or tensors for object_store and disk, kept until the next version lands; for
 distributed, which keeps no copy, the trainer's current weights broadcast to every engine over a new group.
 """
@@ -30,16 +31,18 @@ import ray
 from miles.cluster import RestartableActor
 from miles.engines.base import RolloutEngine
 from miles.train.actor import TrainActor
-from miles.weight_group import TensorSpec, WeightGroup, check_first_rows
+from miles.weight_check import WeightProbe
+from miles.weight_group import TensorSpec, WeightGroup
 
 
 class WeightPush:
-    """Full weights as `version`, on their way to the engines."""
+    """Full weights as `version`, on their way to the engines; `probe` checks them there (None: unchecked)."""
 
     method: Callable  # the RolloutEngine method that loads them
 
-    def __init__(self, version: int):
+    def __init__(self, version: int, probe: WeightProbe | None):
         self.version = version
+        self.probe = probe
 
     def engine_args(self, index: int) -> tuple:
         """The arguments of engine `index`'s call of `method`."""
@@ -49,7 +52,7 @@ class WeightPush:
         """The sender's side, run while the engines' calls are in flight."""
 
     def check(self, results: dict[int, Any]) -> None:
-        """Raise when an engine does not hold what was sent (results: engine index -> its method's answer)."""
+        """Raise when the transport failed (results: engine index -> its method's answer)."""
 
     def refill(self, restarted: list[int], engine_count: int) -> tuple[WeightPush, list[int]]:
         """The push that gives `restarted` engines these weights, and the engines it goes to."""
@@ -62,8 +65,8 @@ class WeightPush:
 class ObjectStorePush(WeightPush):
     method = RolloutEngine.update_weights
 
-    def __init__(self, weights: ray.ObjectRef, version: int):
-        super().__init__(version)
+    def __init__(self, weights: ray.ObjectRef, version: int, probe: WeightProbe | None):
+        super().__init__(version, probe)
         self.weights = weights
 
     def engine_args(self, index: int) -> tuple:
@@ -73,8 +76,8 @@ class ObjectStorePush(WeightPush):
 class DiskPush(WeightPush):
     method = RolloutEngine.update_weights_from_disk
 
-    def __init__(self, directory: Path, version: int):
-        super().__init__(version)
+    def __init__(self, directory: Path, version: int, probe: WeightProbe | None):
+        super().__init__(version, probe)
         self.directory = directory
 
     def engine_args(self, index: int) -> tuple:
@@ -90,24 +93,20 @@ class DistributedPush(WeightPush):
     method = RolloutEngine.update_weights_from_distributed
 
     def __init__(self, transport: DistributedTransport, version: int):
-        super().__init__(version)
+        super().__init__(version, transport.probe())
         self.transport = transport
         self.group, self.rank_offsets = transport.group()
         self.buckets = transport.bucket_specs()
-        self.sent_rows: dict[str, list] = {}
 
     def engine_args(self, index: int) -> tuple:
         return self.group, self.rank_offsets[index], self.buckets, self.version, self.transport.load_format
 
     def send(self) -> None:
-        answer = self.transport.trainer.call(TrainActor.broadcast_weights, self.group, self.transport.load_format)
-        if "error" in answer:
-            raise RuntimeError(f"the trainer could not send weights version {self.version}: {answer['error']}")
-        self.sent_rows = answer["first_rows"]
+        error = self.transport.trainer.call(TrainActor.broadcast_weights, self.group, self.transport.load_format)
+        if error is not None:
+            raise RuntimeError(f"the trainer could not send weights version {self.version}: {error}")
 
     def check(self, results: dict[int, Any]) -> None:
-        for index, held in sorted(results.items()):
-            check_first_rows(held, self.sent_rows, f"engine {index}", self.version)
         self.transport.group_works(self.group)
 
     def refill(self, restarted: list[int], engine_count: int) -> tuple[WeightPush, list[int]]:
@@ -128,8 +127,10 @@ class DistributedTransport:
         backend: str,
         timeout_s: float,
         trainer_version: Callable[[], int],
+        probe: Callable[[], WeightProbe | None],
     ):
         self.trainer = trainer
+        self.probe = probe  # the trainer's probe of the weights it holds now
         self.engines = engines
         self.ranks_per_engine = ranks_per_engine
         self.load_format = load_format

@@ -27,9 +27,11 @@ from miles.checkpoint import (
 from miles.cluster import free_address
 from miles.config import RunConfig
 from miles.run_dir import RunDir
+from miles.train.logprobs import token_logprobs
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, shard_model
 from miles.train.update import batch_logprobs, train_on_rollout
-from miles.weight_group import Membership, TensorSpec, WeightGroup, first_rows, send_bucket
+from miles.weight_check import WeightProbe, probe_ids
+from miles.weight_group import Membership, TensorSpec, WeightGroup, send_bucket
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +144,28 @@ class TrainActor:
         """What `broadcast_weights` sends, bucket by bucket: (name, dtype, shape) of each tensor."""
         return bucket_specs(self.model, self._bucket_bytes)
 
-    def broadcast_weights(self, group: WeightGroup, load_format: str | None) -> dict[str, Any]:
+    @torch.no_grad()
+    def weight_probe(self) -> WeightProbe:
+        """The push check of the weights held now (miles.weight_check): their log-probs of the probe sequence, in
+        eval mode; every rank takes part in the forward."""
+        token_ids = probe_ids(self.model.config.vocab_size)
+        training = self.model.training
+        self.model.eval()
+        try:
+            tokens = torch.tensor([token_ids], device=self.device)
+            logprobs = token_logprobs(self.model(input_ids=tokens).logits.float(), tokens)[0, 1:].tolist()
+        finally:
+            self.model.train(training)
+        return WeightProbe(token_ids, logprobs, self.config.rollout.push_check_atol)
+
+    def broadcast_weights(self, group: WeightGroup, load_format: str | None) -> str | None:
         """Rank 0 broadcasts the full weights over the weight-update `group` (joining it first if it is new), a
         bucket at a time as `weight_bucket_specs` lists them, in the engines' `load_format` (flattened or tensor by
         tensor); every rank takes part in each bucket's gathers.
 
-        Returns rank 0's `{"first_rows": ...}` of every tensor sent, to check the engines against; or `{"error": ...}`
-        when the group failed (a peer died): rank 0 then still takes its part in the remaining gathers, so that the
-        trainer group stays whole, and leaves the broken group."""
+        Returns None, or the error when the group failed (a peer died): rank 0 then still takes its part in the
+        remaining gathers, so that the trainer group stays whole, and leaves the broken group."""
         sending = self.rank == 0
-        rows: dict[str, list] = {}
         error = None
         try:
             process_group = self._weight_group.of(group, rank=0) if sending else None
@@ -160,7 +174,6 @@ class TrainActor:
         for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device, copy=False):
             if not sending:
                 continue  # this rank's part of each gather
-            rows.update(first_rows(bucket))
             if error is None:
                 try:
                     send_bucket(process_group, list(bucket.values()), load_format)
@@ -168,8 +181,8 @@ class TrainActor:
                     error = exc
         if error is not None:
             self._weight_group.leave()
-            return {"error": f"broadcast over weight-update group {group.group_name} failed: {error}"}
-        return {"first_rows": rows}
+            return f"broadcast over weight-update group {group.group_name} failed: {error}"
+        return None
 
     def write_weights(self, directory: str) -> str:
         """Write the full weights as a Hugging Face model directory an engine loads (rank 0; every rank gathers):

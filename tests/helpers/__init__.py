@@ -99,6 +99,23 @@ def weights_directory(model_dir, weights: dict, directory) -> Path:
     return directory
 
 
+def weights_probe(model_dir, weights: dict, atol: float = 0.05):
+    """The push check of `weights` (miles.weight_check), computed here as the trainer computes it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.train.logprobs import token_logprobs
+    from miles.weight_check import WeightProbe, probe_ids
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(weights)
+    token_ids = probe_ids(model.config.vocab_size)
+    tokens = torch.tensor([token_ids])
+    with torch.no_grad():
+        logprobs = token_logprobs(model(input_ids=tokens).logits, tokens)[0, 1:].tolist()
+    return WeightProbe(token_ids, logprobs, atol)
+
+
 def weights_push(rollout, model_dir, weights: dict, version: int, directory):
     """The push a controller of `rollout`'s engine takes: tensors through the object store for a TorchEngine, a
     model directory (under `directory`, one per version) for SGLang."""
@@ -107,6 +124,7 @@ def weights_push(rollout, model_dir, weights: dict, version: int, directory):
     from miles.engines import weight_transport
     from miles.rollout.weight_transport import DiskPush, ObjectStorePush
 
+    probe = weights_probe(model_dir, weights)
     if weight_transport(rollout) == "disk":
-        return DiskPush(weights_directory(model_dir, weights, Path(directory) / str(version)), version)
-    return ObjectStorePush(ray.put(weights), version)
+        return DiskPush(weights_directory(model_dir, weights, Path(directory) / str(version)), version, probe)
+    return ObjectStorePush(ray.put(weights), version, probe)

@@ -7,7 +7,7 @@ import ray
 import torch
 
 from miles.engines.torch_engine import TorchEngine
-from miles.weight_group import FLATTENED, check_first_rows, first_rows, flatten, unflatten
+from miles.weight_group import FLATTENED, flatten, unflatten
 from tests.helpers import perturbed_weights
 from tests.helpers.weight_sender import Sender, bucket_specs, in_buckets, new_group
 
@@ -29,19 +29,6 @@ def test_a_flattened_bucket_of_mixed_dtypes_comes_back_bit_exact():
         unflatten(flat, specs[:3])
 
 
-def test_the_check_names_unknown_and_differing_tensors_and_allows_bfloat16_rounding():
-    sent = first_rows({"a": torch.tensor([[1.0, 2.0]]), "b": torch.tensor([0.3]), "c": torch.tensor([5.0])})
-    served_bf16 = first_rows({"a": torch.tensor([[1.0, 2.0]]).bfloat16(), "b": torch.tensor([0.3]).bfloat16()})
-    served_bf16["c"] = [5.0]
-    check_first_rows(served_bf16, sent, "engine 0", 3)  # bfloat16 rounding of the same values passes
-    with pytest.raises(
-        ValueError,
-        match=r"engine 1 reported weights version 3 loaded, but does not hold them: 1 tensor names unknown to it "
-        r"\['c'\], 1 tensors that differ from the sent ones \['b'\]",
-    ):
-        check_first_rows({"a": sent["a"], "b": [0.4], "c": None}, sent, "engine 1", 3)
-
-
 def test_a_torch_engine_receives_a_broadcast_joins_once_and_moves_to_a_new_group(ray_session, tiny_model_dir):
     engine = ray.remote(TorchEngine).options(num_cpus=1).remote(str(tiny_model_dir), num_threads=1)
     first, second = perturbed_weights(tiny_model_dir, 1, 0.05), perturbed_weights(tiny_model_dir, 2, 0.05)
@@ -52,11 +39,10 @@ def test_a_torch_engine_receives_a_broadcast_joins_once_and_moves_to_a_new_group
         for version, weights, load_format in ((1, first, None), (2, second, FLATTENED)):
             buckets = in_buckets(weights, 3)
             sender.send(buckets, load_format)
-            held = ray.get(
+            ray.get(
                 engine.update_weights_from_distributed.remote(group, 1, bucket_specs(buckets), version, load_format)
             )
             sender.wait()
-            check_first_rows(held, first_rows(weights), "engine", version)
             assert ray.get(engine.weight_version.remote()) == version
         state = ray.get(engine.__ray_call__.remote(lambda self: self.model.state_dict()))
         assert all(torch.equal(state[name], second[name]) for name in second)

@@ -5,13 +5,15 @@ flags of `python -m sglang.launch_server` that miles-flow passes, and answers th
 with SGLang's request fields, response JSON and status codes:
 - `/generate`: `input_ids` (one list or a batch), `sampling_params` (a dict or one per request), `return_logprob`,
   `lora_path`; each output is `{text, output_ids, meta_info}` with `meta_info.output_token_logprobs` as
-  `[logprob, token_id, text-or-null]` triples, `finish_reason` `{type: stop, matched}` or `{type: length, length}`,
+  `[logprob, token_id, text-or-null]` triples (and the prompt's, `input_token_logprobs`, from `logprob_start_len`),
+  `cached_tokens` (the longest prompt prefix served since the last flush), `finish_reason` `{type: stop, matched}` or `{type: length, length}`,
   and the string `weight_version`. Generation stops on `stop_token_ids` and on every EOS id of the tokenizer,
   `config.json` and `generation_config.json` (unless `ignore_eos`). Without `no_stop_trim`, `output_ids` drop a matched stop token.
 - The refit: `/pause_generation` (requests wait until `/continue_generation`), `/flush_cache` (400 while a
-  request runs), `/begin_weight_update` and `/end_weight_update` (a session opened twice, or closed when none is
+  request runs, unless generation is paused in mode retract), `/begin_weight_update` and `/end_weight_update` (a session opened twice, or closed when none is
   open, is refused), `/update_weights_from_disk` (safetensors files; as in SGLang, a tensor name the model lacks
-  is skipped with a warning and the load still reports success), `/get_weights_by_name`.
+  is skipped with a warning and the load still reports success; the prefix cache is flushed after it unless the
+  request says `flush_cache: false`, and a flush it cannot make fails the load), `/get_weights_by_name`.
 - The distributed refit: `/init_weights_update_group` joins a real gloo group at `rank_offset` (blocking until every
   rank has joined), `/update_weights_from_distributed` (refused outside a weight-update session) receives rank 0's
   broadcast, per tensor or as one flattened bucket, and loads it by name as a disk load does;
@@ -210,10 +212,18 @@ class StandInServer:
             sequence = (*request.prompt_ids, *result.output_ids)
             self.cached_prefixes.update(sequence[:end] for end in range(1, len(sequence) + 1))
         outputs = [
-            self._output(r, q, p, body.get("return_logprob", False), started, c)
+            self._output(r, q, p, body, started, c)
             for r, q, p, c in zip(results, requests, params, cached, strict=True)
         ]
         return JSONResponse(outputs[0] if single else outputs)
+
+    def prompt_logprobs(self, prompt: list[int], start: int) -> list[list]:
+        """`input_token_logprobs` from position `start` on (none for SGLang's default -1); the first token has no
+        log-prob."""
+        if start < 0:
+            return []
+        scored = [None, *self.engine.sequence_logprobs(prompt)]
+        return [[lp, token, None] for lp, token in zip(scored, prompt, strict=True)][start:]
 
     def cached_tokens(self, prompt: list[int]) -> int:
         """The prompt's longest cached prefix, short of its last token (whose logits a request needs)."""
@@ -240,9 +250,7 @@ class StandInServer:
     def stops_on_eos(self, params: dict) -> tuple[int, ...]:
         return () if params.get("ignore_eos", False) else self.eos_ids
 
-    def _output(
-        self, result, request: GenerateRequest, params: dict, return_logprob: bool, started: float, cached: int
-    ) -> dict:
+    def _output(self, result, request: GenerateRequest, params: dict, body: dict, started: float, cached: int) -> dict:
         if result.finish_reason == "abort":
             finish = {"type": "abort", "message": "Abort in running batch.", "status_code": 503}
             output_ids = result.output_ids
@@ -263,12 +271,12 @@ class StandInServer:
             "e2e_latency": time.perf_counter() - started,
         }
         meta["weight_versions"] = _version_spans(result.weight_versions)
-        if return_logprob:
+        if body.get("return_logprob", False):
             meta["output_token_logprobs"] = [
                 [None if self.null_logprobs else lp, token, None]
                 for lp, token in zip(result.logprobs, result.output_ids, strict=True)
             ]
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = self.prompt_logprobs(request.prompt_ids, body.get("logprob_start_len", -1))
         text = self.tokenizer.decode(output_ids, skip_special_tokens=params.get("skip_special_tokens", True))
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
 

@@ -25,7 +25,7 @@ from miles.engines.base import EngineUnavailable, GenerateRequest, SamplingParam
 from miles.engines.sglang_engine import SGLangEngine, token_versions
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import FLATTENED
-from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory
+from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory, weights_probe
 from tests.helpers.samples import ADAPTER_PROMPTS, make_requests
 from tests.helpers.waiting import eventually
 from tests.helpers.weight_sender import Sender, bucket_specs, in_buckets, new_group
@@ -46,6 +46,32 @@ def contract_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
         shutil.copy2(path, directory / path.name)
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(contract_model_dir, tmp_path_factory) -> Path:
+    """A small random Qwen2 model with the embedded tokenizer: a model class SGLang cannot read weights back from."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    directory = tmp_path_factory.mktemp("qwen2")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy2(contract_model_dir / name, directory / name)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(directory)
     return directory
 
 
@@ -127,6 +153,17 @@ def test_greedy_samples_and_their_logprobs_equal_the_torch_engine(server, refere
     request's log-probs are those of the distribution at temperature 1."""
     requests = _greedy(tokenizer)
     _assert_same(server.generate(requests), reference.generate(requests))
+
+
+def test_a_sequences_logprobs_equal_the_torch_engines(server, reference):
+    """Pins: `input_token_logprobs` from `logprob_start_len` 0 score a given sequence (what the push check reads)."""
+    token_ids = [1, 5, 9, 4, 12, 3, 7, 2, 8, 11]
+    torch.testing.assert_close(
+        torch.tensor(server.sequence_logprobs(token_ids)),
+        torch.tensor(reference.sequence_logprobs(token_ids)),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_logprobs_of_sampled_tokens_are_at_the_requests_temperature(server, contract_model_dir, tokenizer):
@@ -296,3 +333,25 @@ def test_a_dead_server_is_unavailable_and_a_new_one_serves_the_same(kind, contra
         _assert_same(restarted.generate(requests), reference.generate(requests))
     finally:
         restarted.shutdown()
+
+
+def test_a_push_to_a_model_sglang_cannot_read_back_is_checked_by_its_logprobs(kind, qwen_model_dir, tmp_path):
+    """Pins: SGLang's Qwen2 has no /get_weights_by_name (400), so a push is checked by the served log-probs of the
+    probe sequence against the trainer's: the right weights pass, weights under names the model lacks (skipped by
+    the load, which still succeeds) fail."""
+    engine = SGLangEngine(str(qwen_model_dir), weight_version=0, device="cpu", config=_config(kind), timeout_s=60)
+    try:
+        name = "model.layers.0.self_attn.q_proj.weight"
+        answer = httpx.post(f"{engine.url}/get_weights_by_name", json={"name": name}, timeout=30, trust_env=False)
+        weights = perturbed_weights(qwen_model_dir, 4, 0.1)
+        probe = weights_probe(qwen_model_dir, weights)
+        prefixed = {f"module.{k}": v for k, v in weights.items()}
+        engine.update_weights_from_disk(str(weights_directory(qwen_model_dir, prefixed, tmp_path / "bad")), 1)
+        with pytest.raises(ValueError, match="reported weights version 1 loaded, but does not serve them"):
+            probe.check(engine.sequence_logprobs(probe.token_ids), "engine 0", 1)
+        engine.update_weights_from_disk(str(weights_directory(qwen_model_dir, weights, tmp_path / "good")), 1)
+        probe.check(engine.sequence_logprobs(probe.token_ids), "engine 0", 1)
+    finally:
+        engine.shutdown()
+    if kind == "real":
+        assert answer.status_code == 400
