@@ -1,6 +1,6 @@
 """Serve the RL flows as deployments from one process, each with an optional schedule.
 
-    python -m deployments.serve [--config FILE] [--set a.b=value ...] [--allow-module PKG ...]
+    python -m deployments.serve [--config FILE] [--set a.b=value ...] [--allow-module PKG ...] [--allow-launch-settings]
                                 [--sync-interval SECONDS | --sync-cron EXPR] [--async-interval SECONDS | --async-cron EXPR]
                                 [--fully-async-interval SECONDS | --fully-async-cron EXPR]
                                 [--multi-lora-interval SECONDS | --multi-lora-cron EXPR]
@@ -11,8 +11,10 @@ time. With `iterations_per_run` set, each scheduled run trains that many rollout
 exits; the next resumes.
 
 A run's config may name code by import path (`data.reward: pkg.mod:fn`, custom algorithms, environments, generate
-functions) only in `miles` and in the modules given by --allow-module; anything else fails before work
-(flows.runtime.check_deployment_imports), whoever started the run and with whatever parameters.
+functions) only in `miles` and in the modules given by --allow-module, and its launch settings (the SGLang server's
+`rollout.sglang.python`, `server_module`, `extra_args`: programs a worker starts) must be the config's own unless
+--allow-launch-settings is given; anything else fails before work (flows.runtime.check_deployment_run), whoever
+started the run and with whatever parameters.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PKG",
         help="a package or module whose code a run's config may name by import path (miles is always allowed)",
     )
+    parser.add_argument(
+        "--allow-launch-settings",
+        action="store_true",
+        help="a run may change the settings that choose the programs a worker starts (rollout.sglang.python, "
+        "server_module, extra_args); without it they stay the config's",
+    )
     for name in FLOWS:
         when = parser.add_mutually_exclusive_group()
         when.add_argument(f"--{name}-interval", type=float, metavar="SECONDS", help=f"schedule rl-{name} every SECONDS")
@@ -60,13 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from flows.runtime import ALLOWED_MODULES_VARIABLE, configure_prefect
+    from flows.runtime import ALLOW_LAUNCH_VARIABLE, ALLOWED_MODULES_VARIABLE, configure_prefect
 
     configure_prefect()
     from prefect import serve
 
     # Served flow runs inherit this process's environment; a run cannot set it (no work pool, no job variables).
     os.environ[ALLOWED_MODULES_VARIABLE] = ",".join(args.allowed_modules)
+    os.environ[ALLOW_LAUNCH_VARIABLE] = "1" if args.allow_launch_settings else "0"
 
     deployments = []
     for name, rl_flow in FLOWS.items():

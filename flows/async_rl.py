@@ -24,7 +24,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.report import RunReport
-from flows.runtime import check_deployment_imports
+from flows.runtime import check_deployment_run
 from miles import schedules
 from miles.config import RunConfig
 from miles.run import RLRun, check_off_policy_correction
@@ -33,7 +33,7 @@ from tasks import STEPS
 
 @flow(name="rl-async")
 def async_rl(config: RunConfig) -> dict:
-    check_deployment_imports(config)
+    check_deployment_run(config)
     check_off_policy_correction(config)
     with RLRun(config) as run:
         report = RunReport(run, "rl-async")

@@ -35,7 +35,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.report import RunReport
-from flows.runtime import check_deployment_imports
+from flows.runtime import check_deployment_run
 from miles import schedules
 from miles.config import RunConfig
 from miles.run import RLRun, check_fully_async
@@ -44,7 +44,7 @@ from tasks import STEPS
 
 @flow(name="rl-fully-async")
 def fully_async_rl(config: RunConfig) -> dict:
-    check_deployment_imports(config)
+    check_deployment_run(config)
     check_fully_async(config)
     with RLRun(config) as run:
         report = RunReport(run, "rl-fully-async")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.report import RunReport
-from flows.runtime import check_deployment_imports
+from flows.runtime import check_deployment_run
 from miles import schedules
 from miles.config import RunConfig
 from miles.multi_lora import MultiLoRARun
@@ -32,7 +32,7 @@ from tasks import STEPS
 
 @flow(name="rl-multi-lora")
 def multi_lora(config: RunConfig) -> dict:
-    check_deployment_imports(config)
+    check_deployment_run(config)
     with MultiLoRARun(config) as run:
         adapters = run.active()
         reports = {adapter.name: RunReport(adapter, f"rl-multi-lora-{adapter.name}") for adapter in adapters}

@@ -97,6 +97,7 @@ def start_ephemeral_api() -> None:
 
 
 ALLOWED_MODULES_VARIABLE = "MILES_ALLOWED_MODULES"
+ALLOW_LAUNCH_VARIABLE = "MILES_ALLOW_LAUNCH_SETTINGS"
 
 
 def allowed_modules(env: Mapping[str, str]) -> list[str]:
@@ -105,19 +106,27 @@ def allowed_modules(env: Mapping[str, str]) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def check_deployment_imports(config) -> None:
-    """A flow run started from a deployment imports only the modules that deployment allows (miles.* always).
+class LaunchNotAllowed(ValueError):
+    """A deployment run asks to start programs that its deployment does not allow."""
+
+
+def check_deployment_run(config) -> None:
+    """A flow run started from a deployment imports only the modules that deployment allows (miles.* always), and
+    starts only the programs its deployment starts: its launch settings (RunConfig.launch_settings: the SGLang
+    server's Python, module and flags) are the deployment's own, unless the deployment allows a run to change them
+    (MILES_ALLOW_LAUNCH_SETTINGS=1).
 
     Anyone who can reach the API can start a deployment with any parameters, and the config names code by import
-    path; the allow-list is what the deployment was defined with, never the run's own parameters or job variables.
-    A work-pool deployment (prefect.yaml) keeps it in its stored job variables (a run's --job-variable reaches the
-    process environment, not that record); a served one (deployments/serve.py --allow-module) in the environment of
-    the serving process, which its flow runs inherit and which a run cannot change. A flow called directly
-    (`miles run`, Python) keeps full freedom.
+    path and programs by launch setting; what is allowed is what the deployment was defined with, never the run's own
+    parameters or job variables. A work-pool deployment (prefect.yaml) keeps it in its stored job variables (a run's
+    --job-variable reaches the process environment, not that record); a served one (deployments/serve.py
+    --allow-module, --allow-launch-settings) in the environment of the serving process, which its flow runs inherit
+    and which a run cannot change. A flow called directly (`miles run`, Python) keeps full freedom.
     """
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
 
+    from miles.config import RunConfig
     from miles.registry import check_allowed_modules
 
     context = FlowRunContext.get()
@@ -126,8 +135,19 @@ def check_deployment_imports(config) -> None:
         return
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment(deployment_id)
-    check_allowed_modules(
-        config.import_paths(),
-        allowed_modules((deployment.job_variables.get("env") or {}) if deployment.work_pool_name else os.environ),
-        f"deployment {context.flow.name}/{deployment.name}",
-    )
+    env = (deployment.job_variables.get("env") or {}) if deployment.work_pool_name else os.environ
+    where = f"deployment {context.flow.name}/{deployment.name}"
+    check_allowed_modules(config.import_paths(), allowed_modules(env), where)
+    if env.get(ALLOW_LAUNCH_VARIABLE) == "1":
+        return
+    defined = RunConfig.model_validate(deployment.parameters.get("config") or {}).launch_settings()
+    changed = [
+        f"  {field}: {value!r} (the deployment's: {defined[field]!r})"
+        for field, value in config.launch_settings().items()
+        if value != defined[field]
+    ]
+    if changed:
+        raise LaunchNotAllowed(
+            f"{where}: these settings choose programs the workers start, and a run of this deployment may not change "
+            f"them ({ALLOW_LAUNCH_VARIABLE}=1 in the deployment allows it):\n" + "\n".join(changed)
+        )

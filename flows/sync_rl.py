@@ -19,7 +19,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.report import RunReport
-from flows.runtime import check_deployment_imports
+from flows.runtime import check_deployment_run
 from miles import schedules
 from miles.config import RunConfig
 from miles.run import RLRun
@@ -28,7 +28,7 @@ from tasks import STEPS
 
 @flow(name="rl-sync")
 def sync_rl(config: RunConfig) -> dict:
-    check_deployment_imports(config)
+    check_deployment_run(config)
     with RLRun(config) as run:
         report = RunReport(run, "rl-sync")
         for rollout_id in schedules.sync(run, STEPS):

@@ -15,6 +15,8 @@ from miles.train.algorithms import check_algorithm_name
 
 # Marks a field that may name the user's code as 'pkg.mod:name' (RunConfig.import_paths lists them).
 IMPORT_PATH = {"import_path": True}
+# Marks a field that chooses a program a worker starts (RunConfig.launch_settings lists them).
+LAUNCH = {"launch": True}
 
 
 class _Section(BaseModel):
@@ -34,6 +36,17 @@ class _Section(BaseModel):
                         found |= item.import_paths(f"{field}.{index}.")
             elif info.json_schema_extra == IMPORT_PATH and isinstance(value, str) and ":" in value:
                 found[field] = value
+        return found
+
+    def launch_settings(self, prefix: str = "") -> dict[str, Any]:
+        """Every field that chooses a program a worker starts, with its value: {'rollout.sglang.python': ..., ...}."""
+        found = {}
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            if isinstance(value, _Section):
+                found |= value.launch_settings(f"{prefix}{name}.")
+            elif info.json_schema_extra == LAUNCH:
+                found[f"{prefix}{name}"] = value
         return found
 
 
@@ -163,10 +176,13 @@ class SGLangConfig(_Section):
 
     python: str | None = Field(
         None,
+        json_schema_extra=LAUNCH,
         description="the Python of SGLang's environment (SGLang pins its own torch and transformers); unset: this one",
     )
     server_module: str = Field(
-        "sglang.launch_server", description="module started as `<python> -m <module> --model-path ...`"
+        "sglang.launch_server",
+        json_schema_extra=LAUNCH,
+        description="module started as `<python> -m <module> --model-path ...`",
     )
     tp_size: int = Field(1, gt=0, description="tensor-parallel GPUs per server")
     mem_fraction_static: float | None = Field(
@@ -174,7 +190,9 @@ class SGLangConfig(_Section):
     )
     max_loras_per_batch: int = Field(8, gt=0, description="adapters (the base counts as one) in one batch")
     extra_args: list[str] = Field(
-        default_factory=list, description="further launch_server flags, e.g. ['--attention-backend', 'fa3']"
+        default_factory=list,
+        json_schema_extra=LAUNCH,
+        description="further launch_server flags, e.g. ['--enable-torch-compile']",
     )
     attention_backend: str | None = Field(
         None,

@@ -232,6 +232,22 @@ def test_a_deployment_run_imports_only_what_the_deployment_allows(served, tmp_pa
     assert [r["rollout_id"] for r in RunDir(tmp_path / "allowed").metrics()] == [0]
 
 
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+def test_a_deployment_run_starts_only_the_programs_the_deployment_starts(served, tmp_path):
+    """The SGLang server's Python, module and flags start programs on the workers: a run may not change them."""
+    api, env, config_file = served
+    params = load_config(config_file, ["num_rollout=1"], run_dir=str(tmp_path / "refused")).model_dump(mode="json")
+    params["rollout"]["sglang"].update(python="/bin/bash", extra_args=["-c", "id"])
+    refused = httpx.get(f"{api}/flow_runs/{_deployment_run(env, params, expect_success=False)}").json()
+    assert refused["state_type"] == "FAILED"
+    message = refused["state"]["message"]
+    assert "deployment rl-sync/tiny: these settings choose programs the workers start" in message
+    assert "rollout.sglang.python: '/bin/bash' (the deployment's: None)" in message
+    assert "rollout.sglang.extra_args: ['-c', 'id'] (the deployment's: [])" in message
+    assert "server_module" not in message  # unchanged, so not named
+    assert not (tmp_path / "refused").exists()  # refused before the run directory, the actors or the engines
+
+
 CHROMIUM = Path("/usr/bin/chromium")
 
 

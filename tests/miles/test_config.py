@@ -344,3 +344,12 @@ def test_the_generation_budget_of_a_sample_counts_every_turn_of_an_episode():
     episodes = ["rollout.env=calculator", "rollout.max_new_tokens=6", "rollout.max_turns=3"]
     assert load_config(None, episodes).rollout.max_model_tokens == 18
     assert load_config(None, [*episodes, "rollout.max_episode_tokens=10"]).rollout.max_model_tokens == 10
+
+
+def test_the_launch_settings_are_the_fields_that_choose_programs():
+    config = load_config(None, ["rollout.sglang.python=/opt/sglang/bin/python"])
+    assert config.launch_settings() == {
+        "rollout.sglang.python": "/opt/sglang/bin/python",
+        "rollout.sglang.server_module": "sglang.launch_server",
+        "rollout.sglang.extra_args": [],
+    }
