@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
-.PHONY: install install-gpu install-sglang-cpu run run-gpu test ui server server-postgres
+.PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python run run-gpu test ui server server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -41,6 +41,9 @@ $(SGLANG_CPU_VENV)/.installed:
 	$(SGLANG_CPU_VENV)/bin/python -m pip install -q --no-deps -r requirements/sglang-cpu.txt "sglang==0.5.23"
 	cp -r tests/sglang_cpu/sgl_kernel "$$($(SGLANG_CPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	touch $@
+
+print-sglang-cpu-python:
+	@echo $(SGLANG_CPU_VENV)/bin/python
 
 # The sync flow with SGLang serving the rollouts and the trainer on the same GPU (SGLang takes half its memory).
 run-gpu: install-gpu
