@@ -242,7 +242,10 @@ class RolloutConfig(_Section):
     num_threads: int = Field(2, gt=0, description="torch threads of each engine actor")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the engines: cpu or cuda")
     engine_timeout_s: float = Field(
-        600.0, gt=0, description="an engine that has not answered a batch or a push within this time is restarted"
+        600.0,
+        gt=0,
+        description="an engine that has not answered a batch or a push within this time is health-checked, and "
+        "restarted if it fails (a busy, healthy engine is waited for, so a long generation is not a hang)",
     )
     max_generate_rounds: int = Field(
         1, gt=0, description="with algo.dynamic_sampling: rounds of rollout_batch_size prompts a rollout may draw"

@@ -8,8 +8,9 @@ broadcast by the trainer over a weight-update group (`/update_weights_from_distr
 flushed with each load, and the controller checks what is served (miles.weight_check). Adapters are
 written as PEFT directories and loaded with `/load_lora_adapter`. Nothing needs pickle.
 
-A refused connection, a 5xx answer or a timeout raises EngineUnavailable, and `health()` is False once
-`/health_generate` fails: the InferenceController then restarts the engine. SGLang is never imported here.
+A refused connection, a 5xx answer, or a generation that outlasts `timeout_s` while the server fails its health check
+raises EngineUnavailable, and `health()` is False once `/health_generate` fails: the InferenceController then
+restarts the engine. A long generation on a healthy server is waited for. SGLang is never imported here.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +104,7 @@ class SGLangEngine:
         self._log_path = self._work_dir / "server.log"
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
         config = self.config
         on_cpu = device == "cpu"
@@ -192,11 +197,13 @@ class SGLangEngine:
         except OSError:
             return "(no log)"
 
-    def _post(self, path: str, body: dict | None = None) -> httpx.Response:
+    def _post(self, path: str, body: dict | None = None, timeout: httpx.Timeout | None = None) -> httpx.Response:
         """POST to the server. Its death (refused connection, 5xx, timeout) raises EngineUnavailable; a 4xx, which
         is a request the server refused, raises ValueError with the server's message."""
         try:
-            response = self._http.post(path, json=body if body is not None else {})
+            response = self._http.post(
+                path, json=body if body is not None else {}, timeout=timeout or self._http.timeout
+            )
         except httpx.TimeoutException as exc:
             raise EngineUnavailable(
                 f"sglang server at {self.url}: no answer to {path} within the timeout ({exc!r})"
@@ -240,7 +247,7 @@ class SGLangEngine:
         }
         if any(r.adapter for r in requests):  # a server without --enable-lora refuses any lora_path, even [null, ...]
             body["lora_path"] = [r.adapter for r in requests]
-        outputs = self._post("/generate", body).json()
+        outputs = self._post_while_healthy("/generate", body).json()
         if len(outputs) != len(requests):
             raise EngineUnavailable(
                 f"sglang server at {self.url} answered {len(outputs)} outputs for {len(requests)} requests"
@@ -256,6 +263,29 @@ class SGLangEngine:
                 f"sglang server at {self.url} aborted {len(aborted)} of {len(requests)} requests: {message}"
             )
         return results
+
+    def _post_while_healthy(self, path: str, body: dict) -> httpx.Response:
+        """POST and wait for the answer as long as the server is healthy: each time timeout_s passes without one, a
+        passing health check (a busy server answers it) means another wait, a failing one EngineUnavailable. A long
+        batch is not a hung server."""
+        answer: Future[httpx.Response] = Future()
+
+        def post() -> None:
+            try:
+                answer.set_result(self._post(path, body, timeout=httpx.Timeout(None, connect=10.0)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                answer.set_exception(exc)
+
+        threading.Thread(target=post, name=f"sglang-post-{path.strip('/')}", daemon=True).start()
+        while True:
+            try:
+                return answer.result(timeout=self.timeout_s)
+            except FutureTimeout:
+                if not self.health():
+                    raise EngineUnavailable(
+                        f"sglang server at {self.url}: no answer to {path} within {self.timeout_s:g} s, and it fails "
+                        "its health check"
+                    ) from None
 
     def _result(self, index: int, request: GenerateRequest, meta: dict) -> GenerateResult:
         pairs = meta["output_token_logprobs"]  # [(logprob, token_id, text or None), ...]

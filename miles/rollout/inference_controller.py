@@ -7,9 +7,10 @@ steps, load, and continue them on the new weights (each token records its versio
 off-policy order their pushes after their generations.
 
 An engine call that fails because an engine died (its actor, or its server: EngineUnavailable), or that
-outlasts `timeout_s`, health-checks every engine, restarts the dead or hung ones with the current weights and
-adapters at their versions, and raises EngineRestarted: the caller's retry then runs on a whole engine set.
-No partial batch is ever returned.
+outlasts `timeout_s` on an engine that then fails its health check, health-checks every engine, restarts the dead
+or hung ones with the current weights and adapters at their versions, and raises EngineRestarted: the caller's
+retry then runs on a whole engine set. A call on a healthy engine is waited for however long it takes (a long
+generation is not a hang). No partial batch is ever returned.
 """
 
 from __future__ import annotations
@@ -87,11 +88,10 @@ class InferenceController:
                 alongside()
             except Exception as exc:  # noqa: BLE001 - the engines' side ends too, and an engine's death comes first
                 sender_error = exc
-        _, not_ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
-        hung = {i for i, ref in refs.items() if ref in not_ready}
+        hung = self._wait_while_healthy(refs, used)
         cause = None
         if hung:
-            reason = f"engines {sorted(hung)} gave no answer within {self.timeout_s:g} s"
+            reason = f"engines {sorted(hung)} gave no answer within {self.timeout_s:g} s and failed their health check"
         else:
             try:
                 results = ray.get(list(refs.values()))
@@ -113,6 +113,18 @@ class InferenceController:
             f"{what} failed ({reason}); restarted engines {restarted} with weight version {self._weight_version}"
             f" and adapters {self.adapter_versions()}; a retry runs on the restarted engines"
         ) from cause
+
+    def _wait_while_healthy(self, refs: dict[int, ray.ObjectRef], used: dict[int, ray.actor.ActorHandle]) -> set[int]:
+        """Wait for every call. Each time `timeout_s` passes, the engines whose calls have not finished are
+        health-checked: the healthy ones (a long batch) are waited for again, and those that fail are hung."""
+        pending = dict(refs)
+        while pending:
+            _, not_ready = ray.wait(list(pending.values()), num_returns=len(pending), timeout=self.timeout_s)
+            pending = {i: ref for i, ref in pending.items() if ref in not_ready}
+            hung = {i for i in pending if not _healthy(used[i], min(HEALTH_TIMEOUT_S, self.timeout_s))}
+            if hung:
+                return hung
+        return set()
 
     def _restart_engines(self, hung: set[int], used: dict[int, ray.actor.ActorHandle]) -> list[int]:
         """Replace the engines in `hung` and those that fail a health check; returns the replaced indices, with those
@@ -204,8 +216,8 @@ def _try_shutdown(engine: ray.actor.ActorHandle) -> None:
         pass  # dead or hung: ray.kill ends it, and its server dies with it
 
 
-def _healthy(engine: ray.actor.ActorHandle) -> bool:
+def _healthy(engine: ray.actor.ActorHandle, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
     try:
-        return bool(ray.get(engine.health.remote(), timeout=HEALTH_TIMEOUT_S))
+        return bool(ray.get(engine.health.remote(), timeout=timeout_s))
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return False

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -257,6 +258,27 @@ def test_a_busy_server_is_healthy(server, tokenizer):
     assert server.health()
     thread.join(120)
     assert len(outputs) == 4 and all(len(o["output_ids"]) == LONG for o in outputs)
+
+
+def test_a_generation_longer_than_the_timeout_is_waited_for_while_the_server_is_healthy(server, tokenizer):
+    """Pins: a busy server passes its health check, so a batch that outlasts `timeout_s` is waited for, not taken for
+    a hang (the timeout is set to a quarter of what this batch took unpaused)."""
+    body = {
+        "input_ids": [tokenizer(p)["input_ids"] for p in ADAPTER_PROMPTS[:4]],
+        "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True, "temperature": 0.0},
+    }
+    started = time.perf_counter()
+    unhurried = server._post_while_healthy("/generate", body).json()
+    took = time.perf_counter() - started
+    checks = server._log_path.read_text().count("GET /health_generate")
+    timeout_s = server.timeout_s
+    server.timeout_s = took / 4
+    try:
+        hurried = server._post_while_healthy("/generate", body).json()
+    finally:
+        server.timeout_s = timeout_s
+    assert [o["output_ids"] for o in hurried] == [o["output_ids"] for o in unhurried]
+    assert server._log_path.read_text().count("GET /health_generate") > checks  # it waited past the timeout
 
 
 def test_a_disk_push_serves_the_new_weights_with_no_stale_prefix_cache(
