@@ -139,6 +139,7 @@ class RLRun:
                 timeout_s=config.rollout.engine_timeout_s,
                 trainer_version=lambda: self.iterations.trainer_version,
                 probe=lambda: self.trainer.call(TrainActor.weight_probe),
+                dtype=self.controller.engine_class.served_dtype(str(self.initial_model)),
             )
             self._push_replayed_weights(plan)
             self.reporter = IterationReporter(config.num_rollout, plan.first_rollout_id)

@@ -124,6 +124,11 @@ class RolloutEngine(Protocol):
         """The devices (and weight-update group ranks) one engine takes."""
         ...
 
+    @classmethod
+    def served_dtype(cls, model_dir: str) -> str:
+        """The dtype it serves a model directory's weights in: what a broadcast casts them to on the way."""
+        ...
+
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:

@@ -82,6 +82,11 @@ class SGLangEngine:
     def ranks(cls, rollout: RolloutConfig) -> int:
         return rollout.sglang.tp_size
 
+    @classmethod
+    def served_dtype(cls, model_dir: str) -> str:
+        served = model_dtype(Path(model_dir))  # what --dtype launches it with
+        return "float32" if served == "auto" else served
+
     def __init__(
         self,
         model_dir: str,

@@ -63,6 +63,10 @@ class TorchEngine:
     def ranks(cls, rollout: RolloutConfig) -> int:
         return 1
 
+    @classmethod
+    def served_dtype(cls, model_dir: str) -> str:
+        return "float32"  # it loads every model in fp32
+
     def __init__(
         self,
         model_dir: str,

@@ -102,7 +102,8 @@ class DistributedPush(WeightPush):
         return self.group, self.rank_offsets[index], self.buckets, self.version, self.transport.load_format
 
     def send(self) -> None:
-        error = self.transport.trainer.call(TrainActor.broadcast_weights, self.group, self.transport.load_format)
+        transport = self.transport
+        error = transport.trainer.call(TrainActor.broadcast_weights, self.group, transport.load_format, transport.dtype)
         if error is not None:
             raise RuntimeError(f"the trainer could not send weights version {self.version}: {error}")
 
@@ -128,8 +129,10 @@ class DistributedTransport:
         timeout_s: float,
         trainer_version: Callable[[], int],
         probe: Callable[[], WeightProbe | None],
+        dtype: str | None = None,
     ):
         self.trainer = trainer
+        self.dtype = dtype  # what the engines serve, and so what is sent (None: the trainer's own)
         self.probe = probe  # the trainer's probe of the weights it holds now
         self.engines = engines
         self.ranks_per_engine = ranks_per_engine
@@ -169,5 +172,5 @@ class DistributedTransport:
     def bucket_specs(self) -> list[list[TensorSpec]]:
         """The trainer's buckets; they change only with the trainer group (a new model, the same names)."""
         if self._specs is None or self._specs[0] is not self.trainer.group:
-            self._specs = (self.trainer.group, self.trainer.call(TrainActor.weight_bucket_specs))
+            self._specs = (self.trainer.group, self.trainer.call(TrainActor.weight_bucket_specs, self.dtype))
         return self._specs[1]

@@ -140,9 +140,9 @@ class TrainActor:
         """An address on this rank's node for a process group this rank is rank 0 of (the weight-update group)."""
         return free_address()
 
-    def weight_bucket_specs(self) -> list[list[TensorSpec]]:
+    def weight_bucket_specs(self, dtype: str | None = None) -> list[list[TensorSpec]]:
         """What `broadcast_weights` sends, bucket by bucket: (name, dtype, shape) of each tensor."""
-        return bucket_specs(self.model, self._bucket_bytes)
+        return bucket_specs(self.model, self._bucket_bytes, dtype)
 
     @torch.no_grad()
     def weight_probe(self) -> WeightProbe:
@@ -158,10 +158,11 @@ class TrainActor:
             self.model.train(training)
         return WeightProbe(token_ids, logprobs, self.config.rollout.push_check_atol)
 
-    def broadcast_weights(self, group: WeightGroup, load_format: str | None) -> str | None:
+    def broadcast_weights(self, group: WeightGroup, load_format: str | None, dtype: str | None = None) -> str | None:
         """Rank 0 broadcasts the full weights over the weight-update `group` (joining it first if it is new), a
         bucket at a time as `weight_bucket_specs` lists them, in the engines' `load_format` (flattened or tensor by
-        tensor); every rank takes part in each bucket's gathers.
+        tensor) and cast to the `dtype` they serve (a bf16 engine gets half the bytes of fp32 weights); every rank
+        takes part in each bucket's gathers.
 
         Returns None, or the error when the group failed (a peer died): rank 0 then still takes its part in the
         remaining gathers, so that the trainer group stays whole, and leaves the broken group."""
@@ -176,7 +177,8 @@ class TrainActor:
                 continue  # this rank's part of each gather
             if error is None:
                 try:
-                    send_bucket(process_group, list(bucket.values()), load_format)
+                    tensors = [t.to(getattr(torch, dtype)) if dtype else t for t in bucket.values()]
+                    send_bucket(process_group, tensors, load_format)
                 except RuntimeError as exc:
                     error = exc
         if error is not None:

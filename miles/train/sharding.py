@@ -50,9 +50,11 @@ def full_tensor_buckets(
         yield _gathered(bucket, device, copy)
 
 
-def bucket_specs(model: torch.nn.Module, bucket_bytes: int) -> list[list[TensorSpec]]:
-    """(name, dtype, full shape) of the tensors of each bucket `full_tensor_buckets` yields, without gathering."""
-    return [tensor_specs(dict(bucket)) for bucket in _buckets(model, bucket_bytes)]
+def bucket_specs(model: torch.nn.Module, bucket_bytes: int, dtype: str | None = None) -> list[list[TensorSpec]]:
+    """(name, dtype, full shape) of the tensors of each bucket `full_tensor_buckets` yields, without gathering; with
+    `dtype`, as sent cast to it."""
+    specs = [tensor_specs(dict(bucket)) for bucket in _buckets(model, bucket_bytes)]
+    return [[(name, dtype or kind, shape) for name, kind, shape in bucket] for bucket in specs]
 
 
 def _buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
