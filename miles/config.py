@@ -267,11 +267,12 @@ class RolloutConfig(_Section):
     max_rollouts_in_flight: int = Field(
         2, gt=0, description="rl-fully-async: rollouts generated ahead of the one the trainer takes next"
     )
-    weight_transport: Literal["object_store", "disk", "distributed"] | None = Field(
+    weight_transport: Literal["object_store", "disk", "tensor", "distributed"] | None = Field(
         None,
         description="how pushed weights reach the engines: object_store (torch engines), disk (a model directory "
-        "under the run directory), distributed (a broadcast from the trainer's rank 0); unset: the engine's own "
-        "choice (object_store for torch, disk for sglang)",
+        "under the run directory), tensor (SGLang's update_weights_from_tensor: CUDA IPC handles to the trainer's "
+        "memory, for a server on the trainer's GPU), distributed (a broadcast from the trainer's rank 0); unset: the "
+        "engine's own choice (object_store for torch, disk for sglang)",
     )
     push_check_atol: float = Field(
         0.05,

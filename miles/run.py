@@ -31,11 +31,12 @@ from miles.rewards import resolve_reward
 from miles.rollout.generation import resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
-from miles.rollout.weight_transport import DiskPush, DistributedTransport, ObjectStorePush
+from miles.rollout.weight_transport import DiskPush, DistributedTransport, ObjectStorePush, TensorTransport
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.algorithms import Algorithm
 from miles.train.group import start_trainer_group
+from miles.weight_check import WeightProbe
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,14 @@ class RLRun:
                 backend="nccl" if config.rollout.device.startswith("cuda") else "gloo",
                 timeout_s=config.rollout.engine_timeout_s,
                 trainer_version=lambda: self.iterations.trainer_version,
-                probe=lambda: self.trainer.call(TrainActor.weight_probe),
+                probe=self._weight_probe,
                 dtype=self.controller.engine_class.served_dtype(str(self.initial_model)),
+            )
+            self._tensor_transport = TensorTransport(
+                self.trainer,
+                self.controller.engine_class.served_dtype(str(self.initial_model)),
+                trainer_version=lambda: self.iterations.trainer_version,
+                probe=self._weight_probe,
             )
             self._push_replayed_weights(plan)
             self.reporter = IterationReporter(config.num_rollout, plan.first_rollout_id)
@@ -189,7 +196,7 @@ class RLRun:
         if version == self.controller.weight_version():
             return
         if self.transport == "object_store":
-            probe = self.trainer.call(TrainActor.weight_probe)
+            probe = self._weight_probe()
             self.trainer.hand_over(
                 TrainActor.weights,
                 to=lambda weights: self.controller.update_weights(ObjectStorePush(weights, version, probe)),
@@ -197,9 +204,14 @@ class RLRun:
         elif self.transport == "disk":
             directory = self.run_dir.engine_weights / str(version)
             self.trainer.call(TrainActor.write_weights, str(directory))
-            self.controller.update_weights(DiskPush(directory, version, self.trainer.call(TrainActor.weight_probe)))
+            self.controller.update_weights(DiskPush(directory, version, self._weight_probe()))
+        elif self.transport == "tensor":
+            self.controller.update_weights(self._tensor_transport.push(version))
         else:
             self.controller.update_weights(self._weight_group.push(version))
+
+    def _weight_probe(self) -> WeightProbe:
+        return self.trainer.call(TrainActor.weight_probe)
 
     def rollout_ids(self) -> range:
         return self.iterations.rollout_ids()

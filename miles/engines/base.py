@@ -109,7 +109,9 @@ class RolloutEngine(Protocol):
     loads, and continues them on the new weights (SGLang's pause / begin / load / end / continue; the TorchEngine
     between two decode steps); `health` is its own liveness check."""
 
-    weight_transports: tuple[str, ...]  # the transports it takes (object_store, disk, distributed), its default first
+    weight_transports: tuple[
+        str, ...
+    ]  # the transports it takes (object_store, disk, tensor, distributed), its default first
     distributed_load_format: str | None  # how a broadcast bucket arrives: FLATTENED, or None for tensor by tensor
 
     @classmethod
@@ -148,6 +150,10 @@ class RolloutEngine(Protocol):
         load_format: str | None = None,
     ) -> None:
         """Transport distributed: a broadcast over a weight-update group."""
+        ...
+
+    def update_weights_from_tensor(self, payloads: list[str], version: int) -> None:
+        """Transport tensor: SGLang `/update_weights_from_tensor` payloads, a bucket each (miles.tensor_payload)."""
         ...
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:

@@ -59,7 +59,7 @@ _POLL_S = 0.5
 
 
 class SGLangEngine:
-    weight_transports = ("disk", "distributed")  # a server loads from its own process: no object-store tensors
+    weight_transports = ("disk", "tensor", "distributed")  # a server loads in its own process: no object store
     distributed_load_format = FLATTENED  # one collective per bucket, as SGLang recommends, not one per tensor
 
     @classmethod
@@ -367,6 +367,30 @@ class SGLangEngine:
                     },
                 ).json()
                 for last, specs in ((i == len(buckets) - 1, specs) for i, specs in enumerate(buckets))
+            ],
+        )
+        self._check_answers(answers, version)
+        self._weight_version = version
+
+    def update_weights_from_tensor(self, payloads: list[str], version: int) -> None:
+        """Load `/update_weights_from_tensor` payloads (miles.tensor_payload), one request per bucket, the prefix
+        cache flushed with the last."""
+        if self._adapter_versions:
+            raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
+        if self.config.tp_size != 1:
+            raise ValueError("rollout.weight_transport=tensor takes one payload per bucket: rollout.sglang.tp_size=1")
+        answers = self._refit(
+            version,
+            lambda: [
+                self._post(
+                    "/update_weights_from_tensor",
+                    {
+                        "serialized_named_tensors": [payload],
+                        "flush_cache": self._flush_cache and index == len(payloads) - 1,
+                        "weight_version": str(version),
+                    },
+                ).json()
+                for index, payload in enumerate(payloads)
             ],
         )
         self._check_answers(answers, version)

@@ -5,6 +5,9 @@
 - `disk`: the trainer writes a model directory under `<run_dir>/engine_weights/`, and every engine loads it
   (`update_weights_from_disk`; SGLang's `/update_weights_from_disk`); the directory must be on storage the engines
   see, as the run directory is.
+- `tensor`: the trainer's rank 0 hands each bucket to the engines as SGLang's `/update_weights_from_tensor` payload:
+  CUDA IPC handles to its own GPU memory, which a server on the same GPU maps without a copy (the colocated
+  placement, where `distributed` cannot work: NCCL refuses two ranks on one device); on a CPU, the bytes.
 - `distributed`: the trainer's rank 0 broadcasts the weights bucket by bucket over a weight-update group with every
   engine (miles.weight_group; `update_weights_from_distributed`), each bucket as the engine class's
   `distributed_load_format` asks: flattened into one tensor (SGLang's `/update_weights_from_distributed`) or tensor
@@ -87,6 +90,47 @@ class DiskPush(WeightPush):
         for older in self.directory.parent.iterdir():
             if older != self.directory:
                 shutil.rmtree(older, ignore_errors=True)
+
+
+class TensorPush(WeightPush):
+    """Transport tensor: each bucket as SGLang's `/update_weights_from_tensor` payload; on the GPU CUDA IPC handles to
+    the trainer's rank 0 memory, which a server on the same GPU maps (miles.tensor_payload)."""
+
+    method = RolloutEngine.update_weights_from_tensor
+
+    def __init__(self, transport: TensorTransport, version: int):
+        super().__init__(version, transport.probe())
+        self.transport = transport
+        self.payloads = transport.trainer.hand_over(TrainActor.weight_payloads, transport.dtype, to=lambda ref: ref)
+
+    def engine_args(self, index: int) -> tuple:
+        return self.payloads, self.version
+
+    def refill(self, restarted: list[int], engine_count: int) -> tuple[WeightPush, list[int]]:
+        """The handles of a landed push point to memory the trainer has let go: new ones, of its current weights."""
+        return TensorPush(self.transport, self.transport.trainer_version()), restarted
+
+    def landed(self) -> None:
+        self.transport.trainer.call(TrainActor.release_payload_weights)
+
+
+class TensorTransport:
+    """What a tensor push needs of the trainer: its payloads, in the engines' dtype, and its probe and version."""
+
+    def __init__(
+        self,
+        trainer: RestartableActor,
+        dtype: str | None,
+        trainer_version: Callable[[], int],
+        probe: Callable[[], WeightProbe | None],
+    ):
+        self.trainer = trainer
+        self.dtype = dtype
+        self.trainer_version = trainer_version
+        self.probe = probe
+
+    def push(self, version: int) -> TensorPush:
+        return TensorPush(self, version)
 
 
 class DistributedPush(WeightPush):

@@ -27,6 +27,7 @@ from miles.checkpoint import (
 from miles.cluster import free_address
 from miles.config import RunConfig
 from miles.run_dir import RunDir
+from miles.tensor_payload import serialize_named_tensors
 from miles.train.logprobs import token_logprobs
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, shard_model
 from miles.train.update import batch_logprobs, train_on_rollout
@@ -89,6 +90,7 @@ class TrainActor:
         # retried call is answered from here without a second step.
         self.trained = dict(self.run_dir.ledger().trained)
         self._weight_group = Membership()  # rank 0's place in the weight-update group it broadcasts over
+        self._payload_weights: list[dict[str, torch.Tensor]] = []  # what the last weight_payloads point to
 
     def _load(self, source: Path) -> torch.nn.Module:
         train = self.config.train
@@ -185,6 +187,24 @@ class TrainActor:
             self._weight_group.leave()
             return f"broadcast over weight-update group {group.group_name} failed: {error}"
         return None
+
+    def weight_payloads(self, dtype: str | None = None) -> list[str] | None:
+        """The full weights as SGLang's `/update_weights_from_tensor` payloads, a bucket each, cast to the engines'
+        `dtype`, on rank 0 (None on the others; every rank gathers). On the GPU they are CUDA IPC handles to tensors
+        this actor keeps until `release_payload_weights`, so that the servers map them, not copy them."""
+        self._payload_weights = []
+        payloads = []
+        for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device):
+            if self.rank != 0:
+                continue
+            cast = {name: t.to(getattr(torch, dtype)) if dtype else t for name, t in bucket.items()}
+            self._payload_weights.append(cast)
+            payloads.append(serialize_named_tensors(cast))
+        return payloads if self.rank == 0 else None
+
+    def release_payload_weights(self) -> None:
+        """The servers have loaded the last payloads: their tensors can go."""
+        self._payload_weights = []
 
     def write_weights(self, directory: str) -> str:
         """Write the full weights as a Hugging Face model directory an engine loads (rank 0; every rank gathers):

@@ -5,10 +5,15 @@ from __future__ import annotations
 import inspect
 
 from miles.engines.base import RolloutEngine
-from miles.rollout.weight_transport import DiskPush, DistributedPush, ObjectStorePush
+from miles.rollout.weight_transport import DiskPush, DistributedPush, ObjectStorePush, TensorPush
 
 # Each transport's engine call, as the pushes make it.
-LOAD_CALLS = {"object_store": ObjectStorePush.method, "disk": DiskPush.method, "distributed": DistributedPush.method}
+LOAD_CALLS = {
+    "object_store": ObjectStorePush.method,
+    "disk": DiskPush.method,
+    "tensor": TensorPush.method,
+    "distributed": DistributedPush.method,
+}
 ENGINE_CALLS = [
     name
     for name, member in vars(RolloutEngine).items()

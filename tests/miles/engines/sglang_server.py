@@ -14,6 +14,8 @@ with SGLang's request fields, response JSON and status codes:
   open, is refused), `/update_weights_from_disk` (safetensors files; as in SGLang, a tensor name the model lacks
   is skipped with a warning and the load still reports success; the prefix cache is flushed after it unless the
   request says `flush_cache: false`, and a flush it cannot make fails the load), `/get_weights_by_name`.
+- `/update_weights_from_tensor` (refused outside a weight-update session): a base64 pickle of (name, tensor) pairs,
+  read by an unpickler that admits tensors only, as SGLang's SafeUnpickler (CPU tensors arrive as their bytes).
 - The distributed refit: `/init_weights_update_group` joins a real gloo group at `rank_offset` (blocking until every
   rank has joined), `/update_weights_from_distributed` (refused outside a weight-update session) receives rank 0's
   broadcast, per tensor or as one flattened bucket, and loads it by name as a disk load does;
@@ -36,9 +38,12 @@ last `/test_fault`, for a test to act at a known point of a generation.
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
+import io
 import json
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -341,6 +346,19 @@ class StandInServer:
             message += f" Weight version updated to {self.weight_version}."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
+    def update_from_tensor(self, body: dict) -> JSONResponse:
+        """As SGLang's: refused outside a weight-update session; the payload is read by an unpickler that admits
+        tensors and their storage only (SGLang's SafeUnpickler; a CPU tensor arrives as its bytes)."""
+        if not self.in_weight_update:
+            message = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            return JSONResponse({"success": False, "message": message}, status_code=400)
+        try:
+            pairs = TensorsOnly(io.BytesIO(base64.b64decode(body["serialized_named_tensors"][0]))).load()
+            self.load(dict(pairs), body.get("weight_version"))
+        except Exception as exc:  # noqa: BLE001 - SGLang answers a failed update
+            return JSONResponse({"success": False, "message": f"Failed to update weights: {exc}"}, status_code=400)
+        return self.flushed_after_load(body) or JSONResponse({"success": True, "message": "Success"})
+
     def init_weights_group(self, body: dict) -> JSONResponse:
         group = WeightGroup(
             master_address=body["master_address"],
@@ -448,6 +466,21 @@ class StandInServer:
         return _lora_answer(True, "", self.lora_paths)
 
 
+class TensorsOnly(pickle.Unpickler):
+    """Unpickles (name, tensor) pairs and nothing else: a tensor's bytes go through torch's weights-only loader."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        if (
+            module == "torch._utils"
+            and name in ("_rebuild_tensor", "_rebuild_tensor_v2")
+            or (module == "collections" and name == "OrderedDict")
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a tensor")
+
+
 def build_app(server: StandInServer) -> FastAPI:
     app = FastAPI()
 
@@ -530,6 +563,10 @@ def build_app(server: StandInServer) -> FastAPI:
     @app.post("/update_weights_from_disk")
     def update_weights_from_disk(body: dict):
         return server.update_from_disk(body)
+
+    @app.post("/update_weights_from_tensor")
+    def update_weights_from_tensor(body: dict):
+        return server.update_from_tensor(body)
 
     @app.post("/init_weights_update_group")
     def init_weights_update_group(body: dict):

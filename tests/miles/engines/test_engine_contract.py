@@ -24,9 +24,10 @@ class HalfAnEngine:
 
 def test_an_engine_that_falls_short_is_told_where():
     problems = contract_violations(HalfAnEngine)
-    assert "weight_transports ('disk', 'carrier_pigeon'): one or more of ['disk', 'distributed', 'object_store']" in (
-        problems
+    expected = (
+        "weight_transports ('disk', 'carrier_pigeon'): one or more of ['disk', 'distributed', 'object_store', 'tensor']"
     )
+    assert expected in (problems)
     assert "no distributed_load_format" in problems and "no launch_args" in problems and "no health" in problems
     assert any(p.startswith("generate(self, prompts) does not take generate(self, requests") for p in problems)
     assert not any("update_weights_from_disk" in p for p in problems)  # it takes the call of the transport it names
@@ -58,5 +59,7 @@ def test_the_weight_transport_is_the_engines_choice_unless_set(overrides, transp
 
 def test_a_transport_the_engine_does_not_take_is_named():
     rollout = load_config(None, ["rollout.engine=sglang", "rollout.weight_transport=object_store"]).rollout
-    with pytest.raises(ValueError, match=r"object_store: the sglang engine \(SGLangEngine\) takes disk or distributed"):
+    with pytest.raises(
+        ValueError, match=r"object_store: the sglang engine \(SGLangEngine\) takes disk or tensor or distributed"
+    ):
         weight_transport(rollout)

@@ -25,6 +25,7 @@ from miles.config import SGLangConfig
 from miles.engines.base import EngineUnavailable, GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine, token_versions
 from miles.engines.torch_engine import TorchEngine
+from miles.tensor_payload import serialize_named_tensors
 from miles.weight_group import FLATTENED
 from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory, weights_probe
 from tests.helpers.samples import ADAPTER_PROMPTS, make_requests
@@ -317,6 +318,18 @@ def test_a_distributed_push_lands_bucket_by_bucket(server, contract_model_dir, t
     requests = _greedy(tokenizer)
     twin = TorchEngine(str(contract_model_dir), weight_version=5, num_threads=1)
     twin.update_weights(weights, 5)
+    _assert_same(server.generate(requests), twin.generate(requests))
+
+
+def test_a_tensor_push_lands_bucket_by_bucket(server, contract_model_dir, tokenizer, original_weights):
+    """Pins: /update_weights_from_tensor inside the refit session loads each bucket's payload (a pickle of (name,
+    tensor) pairs that SGLang's SafeUnpickler admits; a CPU tensor goes as its bytes)."""
+    weights = perturbed_weights(contract_model_dir, 5, 0.05)
+    server.update_weights_from_tensor([serialize_named_tensors(b) for b in in_buckets(weights, 3)], 7)
+    assert server.weight_version() == 7
+    requests = _greedy(tokenizer)
+    twin = TorchEngine(str(contract_model_dir), weight_version=7, num_threads=1)
+    twin.update_weights(weights, 7)
     _assert_same(server.generate(requests), twin.generate(requests))
 
 
