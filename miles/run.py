@@ -48,7 +48,7 @@ def check_inputs(config: RunConfig) -> PolicyInputs:
         raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
     try:
         Algorithm.from_config(config.algo)
-        weight_transport(config.rollout)
+        weight_transport(config.rollout, config.train)
         resolve_generate_fn(config)
         return PolicyInputs(config, load_rows(config.data), resolve_reward(config.data.reward), load_eval_sets(config))
     except ValueError as exc:
@@ -114,7 +114,7 @@ class RLRun:
         # Every node resolves the run directory alike, whatever its working directory.
         config = config.model_copy(update={"run_dir": str(Path(config.run_dir).resolve())})
         inputs = check_inputs(config)
-        self.transport = weight_transport(config.rollout)
+        self.transport = weight_transport(config.rollout, config.train)
         self.config = config
         self.run_dir = RunDir(config.run_dir).create()
         with ExitStack() as started:  # an error on the way releases what was taken so far

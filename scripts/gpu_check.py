@@ -5,6 +5,8 @@
 2. Multi-LoRA on CUDA: a LoRATrainActor steps two adapters; one engine serves both in one mixed batch, and
    each adapter's rows match the trainer's log-probs.
 3. Throughput of a larger random Llama: engine tokens/s (batch x new tokens, no stop) and trainer tokens/s.
+4. The tensor transport's payload (miles.tensor_payload): CUDA tensors sent as IPC handles are opened by another
+   process, as an SGLang server on the same GPU opens them, and hold the sender's values.
 
 Prints one line per check; exits non-zero when a check fails.
 """
@@ -12,6 +14,8 @@ Prints one line per check; exits non-zero when a check fails.
 from __future__ import annotations
 
 import argparse
+import ast
+import subprocess
 import sys
 import tempfile
 import time
@@ -189,6 +193,43 @@ def check_throughput(root: Path, tokenizer, hidden: int, layers: int, batch: int
     )
 
 
+# The receiving side, as SGLang's server does it: the device arrives as a UUID, mapped back to this process's index.
+_OPEN_PAYLOAD = """
+import base64, pickle, sys, torch
+from torch.multiprocessing import reductions
+rebuild = reductions.rebuild_cuda_tensor
+def by_uuid(*args):
+    index = next(i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == args[6])
+    return rebuild(*args[:6], index, *args[7:])
+reductions.rebuild_cuda_tensor = by_uuid
+pairs = pickle.loads(base64.b64decode(sys.stdin.read()))
+print(repr({name: float(t.double().sum()) for name, t in pairs}))
+"""
+
+
+def check_tensor_payload() -> bool:
+    from miles.tensor_payload import serialize_named_tensors
+
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(256, 64, device=DEVICE), "b": torch.randn(7, device=DEVICE).bfloat16()}
+    started = time.perf_counter()
+    payload = serialize_named_tensors(tensors)
+    opened = subprocess.run(
+        [sys.executable, "-c", _OPEN_PAYLOAD], input=payload, capture_output=True, text=True, timeout=120
+    )
+    if opened.returncode != 0:
+        print(f"tensor payload: FAILED, the other process could not open it: {opened.stderr[-1500:]}")
+        return False
+    expected = {name: float(t.double().sum()) for name, t in tensors.items()}
+    ok = ast.literal_eval(opened.stdout.strip()) == expected
+    print(
+        f"tensor payload: {'ok' if ok else 'FAILED'}, {len(payload):,} base64 characters for "
+        f"{sum(t.numel() * t.element_size() for t in tensors.values()):,} bytes of tensors, opened in another process "
+        f"in {time.perf_counter() - started:.2f} s"
+    )
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
@@ -208,6 +249,7 @@ def main() -> int:
         root = Path(tmp)
         ok = check_full_model(root, tokenizer)
         ok &= check_multi_lora(root, tokenizer)
+        ok &= check_tensor_payload()
         check_throughput(root, tokenizer, args.hidden, args.layers, args.batch, args.new_tokens)
     print("gpu check: " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1

@@ -2,7 +2,7 @@
 # On a machine with a CUDA GPU: the engine and trainers on CUDA (correctness and throughput), then, where Ray and
 # Prefect are installed, the sync flow for a few iterations with the TorchEngine and trainer on the GPU (the trainer
 # unsharded in float32, then FSDP2 in bfloat16, with the trainer-vs-engine log-prob gap, then with weights broadcast
-# over NCCL), and with SGLang serving the rollouts, its weights broadcast, where SGLANG_PYTHON (default
+# over NCCL where there are two GPUs), and with SGLang serving the rollouts, its weights mapped through CUDA IPC, where SGLANG_PYTHON (default
 # .venv-sglang/bin/python, `make install-gpu`) has it.
 # Under 5 minutes.
 set -euo pipefail
@@ -36,13 +36,16 @@ EOF
 flow_run torch
 # The trainer as one FSDP2 worker computing in bfloat16 (NCCL process group of one), the engine in float32.
 flow_run torch --set train.sharding=fsdp --set train.param_dtype=bfloat16
-# Weights broadcast from the trainer's rank 0 over an NCCL weight-update group instead of the object store.
-flow_run torch --set rollout.weight_transport=distributed
+# On one GPU the engines share it with the trainer, where NCCL refuses a weight-update group (two ranks on one
+# device): the broadcast runs only where there is a GPU for each.
+if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  flow_run torch --set rollout.weight_transport=distributed
+fi
 SGLANG_PYTHON=${SGLANG_PYTHON:-$PWD/.venv-sglang/bin/python}
 if [ -x "$SGLANG_PYTHON" ] && "$SGLANG_PYTHON" -c "import sglang" 2>/dev/null; then
-  # The trainer shares the GPU: SGLang takes a part of the memory only.
-  flow_run sglang --set rollout.sglang.python="$SGLANG_PYTHON" --set rollout.sglang.mem_fraction_static=0.5 \
-    --set rollout.weight_transport=distributed
+  # The trainer shares the GPU: SGLang takes a part of the memory only, and maps the trainer's weights (the tensor
+  # transport, CUDA IPC: the default for this placement).
+  flow_run sglang --set rollout.sglang.python="$SGLANG_PYTHON" --set rollout.sglang.mem_fraction_static=0.5
 else
   echo "no SGLang at $SGLANG_PYTHON (make install-gpu): the SGLang flow run is skipped"
 fi

@@ -125,6 +125,8 @@ def weights_push(rollout, model_dir, weights: dict, version: int, directory):
     from miles.rollout.weight_transport import DiskPush, ObjectStorePush
 
     probe = weights_probe(model_dir, weights)
-    if weight_transport(rollout) == "disk":
+    from miles.config import TrainConfig
+
+    if weight_transport(rollout, TrainConfig()) == "disk":  # a trainer on the CPU, as in every test
         return DiskPush(weights_directory(model_dir, weights, Path(directory) / str(version)), version, probe)
     return ObjectStorePush(ray.put(weights), version, probe)

@@ -54,12 +54,56 @@ def test_an_unknown_engine_is_refused_naming_the_built_ins():
     ],
 )
 def test_the_weight_transport_is_the_engines_choice_unless_set(overrides, transport):
-    assert weight_transport(load_config(None, overrides).rollout) == transport
+    config = load_config(None, overrides)
+    assert weight_transport(config.rollout, config.train) == transport
 
 
 def test_a_transport_the_engine_does_not_take_is_named():
-    rollout = load_config(None, ["rollout.engine=sglang", "rollout.weight_transport=object_store"]).rollout
+    config = load_config(None, ["rollout.engine=sglang", "rollout.weight_transport=object_store"])
     with pytest.raises(
         ValueError, match=r"object_store: the sglang engine \(SGLangEngine\) takes disk or tensor or distributed"
     ):
-        weight_transport(rollout)
+        weight_transport(config.rollout, config.train)
+
+
+CUDA_BOTH = ["rollout.device=cuda", "train.device=cuda"]
+
+
+@pytest.mark.parametrize(
+    "overrides, transport",
+    [
+        (["rollout.engine=sglang", *CUDA_BOTH], "tensor"),  # one GPU per server: beside the trainer's rank 0
+        (["rollout.engine=sglang", *CUDA_BOTH, "rollout.sglang.tp_size=2"], "disk"),  # whole GPUs of its own
+        (["rollout.engine=sglang", "rollout.device=cuda"], "disk"),  # a CPU trainer
+        ([*CUDA_BOTH], "object_store"),  # the TorchEngine takes no tensor payloads
+    ],
+)
+def test_the_default_transport_follows_the_placement(overrides, transport):
+    config = load_config(None, overrides)
+    assert weight_transport(config.rollout, config.train) == transport
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["rollout.engine=sglang", *CUDA_BOTH, "rollout.weight_transport=distributed"],
+            r"rollout.weight_transport=distributed: with rollout.device=cuda, train.device=cuda and one GPU per "
+            r"engine, the engines share GPUs with the trainer's rank 0, and NCCL refuses a group with two ranks on "
+            r"one GPU; use tensor",
+        ),
+        (
+            [*CUDA_BOTH, "rollout.weight_transport=distributed"],
+            r"NCCL refuses a group with two ranks on one GPU; use object_store",
+        ),
+        (
+            ["rollout.engine=sglang", "rollout.sglang.tp_size=2", "rollout.weight_transport=tensor"],
+            r"rollout.weight_transport=tensor sends one payload per bucket, for an engine of one GPU: "
+            r"rollout.sglang.tp_size=2",
+        ),
+    ],
+)
+def test_an_impossible_transport_is_refused_naming_the_fields(overrides, message):
+    config = load_config(None, overrides)
+    with pytest.raises(ValueError, match=message):
+        weight_transport(config.rollout, config.train)
