@@ -12,7 +12,7 @@ from deployments import postgres
 
 PROJECT = Path(__file__).resolve().parents[2]
 # Modules the scripts import; not run on their own.
-HELPERS = ("prefect_server", "random_llama", "smoke")
+HELPERS = ("prefect_server", "random_llama", "sglang_servers", "smoke")
 SCRIPTS = sorted(path.stem for path in (PROJECT / "benchmarks").glob("*.py") if path.stem not in ("__init__", *HELPERS))
 # The name on each script's last line, `<name> <value>`.
 FIGURES = {
@@ -27,6 +27,7 @@ FIGURES = {
     "orchestration_overhead": "overhead_ratio",
     "reward_scoring": "reward_scoring_vs_pool",
     "sglang_client": "client_overhead",
+    "sglang_transports": "fastest_push_vs_disk",
     "startup": "startup_seconds",
     "task_run_cost": "task_run_server_ms",
     "train_step": "train_overhead",
