@@ -295,8 +295,8 @@ class SGLangEngine:
     def _result(self, index: int, request: GenerateRequest, meta: dict) -> GenerateResult:
         pairs = meta["output_token_logprobs"]  # [(logprob, token_id, text or None), ...]
         missing = [position for position, pair in enumerate(pairs) if pair[0] is None]
-        if missing:  # a sample without its log-probs cannot be trained on; never a crash on float(None)
-            raise ValueError(
+        if missing:  # the server's failure, not the request's: a RuntimeError, which the generate task retries
+            raise RuntimeError(
                 f"sglang server at {self.url} gave null log-probs for request {index} of the batch (seed "
                 f"{request.seed}, {len(request.prompt_ids)} prompt tokens) at output positions {missing[:5]}"
             )

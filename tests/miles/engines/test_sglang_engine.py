@@ -24,6 +24,7 @@ from miles.engines.base import EngineUnavailable, GenerateRequest, SamplingParam
 from miles.engines.sglang_engine import SGLangEngine, token_versions
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import FLATTENED
+from tasks.retries import NOT_RETRIED
 from tests.helpers import GPU_ATTENTION_BACKEND, SGLANG_STAND_IN, perturbed_weights, weights_directory, weights_probe
 from tests.helpers.engine_contract import contract_violations
 from tests.helpers.faults import sglang_server_pid
@@ -207,13 +208,16 @@ def test_the_server_stops_on_the_models_eos_whatever_the_request_asks(engine, ti
             assert output["output_ids"] == free.output_ids[: free.output_ids.index(eos)]  # stop token trimmed
 
 
-def test_null_logprobs_are_an_error_naming_the_request(engine, tokenizer):
+def test_null_logprobs_are_a_retried_error_naming_the_request(engine, tokenizer):
+    """A sample without its log-probs cannot be trained on; it is the server's failure, so the task retries it
+    (a ValueError would say the config is wrong, and is not retried)."""
     httpx.post(f"{engine.url}/test_fault", json={"null_logprobs": True}, trust_env=False).raise_for_status()
     requests = seeded(make_requests(tokenizer, ADAPTER_PROMPTS, max_new_tokens=3), 5)
     with pytest.raises(
-        ValueError, match=r"null log-probs for request 0 of the batch \(seed 50000, \d+ prompt tokens\)"
-    ):
+        RuntimeError, match=r"null log-probs for request 0 of the batch \(seed 50000, \d+ prompt tokens\)"
+    ) as raised:
         engine.generate(requests)
+    assert not isinstance(raised.value, NOT_RETRIED)
 
 
 def test_adapters_are_loaded_replaced_and_unloaded(lora_engine, tiny_model_dir, tokenizer, make_lora):
