@@ -232,11 +232,12 @@ def test_a_failing_sglang_server_is_restarted(ray_session, tiny_model_dir, token
 
 def test_a_batch_longer_than_the_timeout_on_a_healthy_server_is_waited_for(ray_session, tiny_model_dir, tokenizer):
     """engine_timeout_s is not a bound on a batch: past it a busy server passes its health check and is waited for."""
-    rollout = load_config(None, ["rollout.num_threads=1", "rollout.engine_timeout_s=1", *sglang_overrides()]).rollout
+    rollout = load_config(None, ["rollout.num_threads=1", *sglang_overrides()]).rollout
     controller = InferenceController(str(tiny_model_dir), 0, rollout)
     try:
         requests = seeded(make_requests(tokenizer, ["1+2=", "45+67="], max_new_tokens=6), 5)
         expected = controller.generate(requests)
+        controller.timeout_s = 1
         engines = list(controller.engines)
         url = ray.get(controller.engines[0].__ray_call__.remote(lambda self: self.url))
         httpx.post(f"{url}/test_fault", json={"generate_delay_s": 4.0}, trust_env=False).raise_for_status()
