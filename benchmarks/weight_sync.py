@@ -42,7 +42,7 @@ from benchmarks.smoke import parse_args
 from miles.cluster import RestartableActor, ensure_ray
 from miles.config import load_config
 from miles.rollout.inference_controller import InferenceController
-from miles.rollout.weight_transport import DiskPush, DistributedTransport
+from miles.rollout.weight_transport import DiskPush, DistributedTransport, TrainerWeights
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.group import start_trainer_group
@@ -80,14 +80,12 @@ def _measure(model_dir: Path, run_dir: Path, args) -> tuple[dict[str, list[float
     try:
         controller = InferenceController(str(model_dir), 0, config.rollout)
         transport = DistributedTransport(
-            trainer,
+            TrainerWeights(trainer, None, version=lambda: version, probe=lambda: trainer.call(TrainActor.weight_probe)),
             lambda: controller.engines,
             controller.ranks_per_engine,
             controller.engine_class.distributed_load_format,
             backend="gloo",
             timeout_s=600,
-            trainer_version=lambda: version,
-            probe=lambda: trainer.call(TrainActor.weight_probe),
         )
         times: dict[str, list[float]] = {"disk": [], "write": [], "load": [], "distributed": [], "first": []}
 

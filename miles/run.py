@@ -31,7 +31,13 @@ from miles.rewards import resolve_reward
 from miles.rollout.generation import resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
-from miles.rollout.weight_transport import DiskPush, DistributedTransport, ObjectStorePush, TensorTransport
+from miles.rollout.weight_transport import (
+    DiskPush,
+    DistributedTransport,
+    ObjectStorePush,
+    TensorPush,
+    TrainerWeights,
+)
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.algorithms import Algorithm
@@ -131,22 +137,19 @@ class RLRun:
             started.callback(self.iterations.close)
             self.trainer = RestartableActor("trainer", self._restored_trainer)
             started.callback(self.trainer.kill)
-            self._weight_group = DistributedTransport(
+            self._trainer_weights = TrainerWeights(
                 self.trainer,
+                self.controller.engine_class.served_dtype(str(self.initial_model)),
+                version=lambda: self.iterations.trainer_version,
+                probe=self._weight_probe,
+            )
+            self._weight_group = DistributedTransport(
+                self._trainer_weights,
                 lambda: self.controller.engines,
                 self.controller.ranks_per_engine,
                 self.controller.engine_class.distributed_load_format,
                 backend="nccl" if config.rollout.device.startswith("cuda") else "gloo",
                 timeout_s=config.rollout.engine_timeout_s,
-                trainer_version=lambda: self.iterations.trainer_version,
-                probe=self._weight_probe,
-                dtype=self.controller.engine_class.served_dtype(str(self.initial_model)),
-            )
-            self._tensor_transport = TensorTransport(
-                self.trainer,
-                self.controller.engine_class.served_dtype(str(self.initial_model)),
-                trainer_version=lambda: self.iterations.trainer_version,
-                probe=self._weight_probe,
             )
             self._push_replayed_weights(plan)
             self.reporter = IterationReporter(config.num_rollout, plan.first_rollout_id)
@@ -206,7 +209,7 @@ class RLRun:
             self.trainer.call(TrainActor.write_weights, str(directory))
             self.controller.update_weights(DiskPush(directory, version, self._weight_probe()))
         elif self.transport == "tensor":
-            self.controller.update_weights(self._tensor_transport.push(version))
+            self.controller.update_weights(TensorPush(self._trainer_weights, version))
         else:
             self.controller.update_weights(self._weight_group.push(version))
 

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -313,24 +313,8 @@ class SGLangEngine:
 
     def update_weights_from_disk(self, directory: str, version: int) -> None:
         """Load the model directory the trainer wrote (`/update_weights_from_disk`)."""
-        if self._adapter_versions:
-            raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
-        answer = self._refit(
-            version,
-            lambda: [
-                self._post(
-                    "/update_weights_from_disk",
-                    {
-                        "model_path": directory,
-                        "weight_version": str(version),
-                        "flush_cache": self._flush_cache,
-                        "abort_all_requests": False,
-                    },
-                ).json()
-            ],
-        )
-        self._check_answers(answer, version)
-        self._weight_version = version
+        self._check_base_weights_pushable()
+        self._load(version, "/update_weights_from_disk", [{"model_path": directory, "abort_all_requests": False}])
 
     def update_weights_from_distributed(
         self,
@@ -343,56 +327,56 @@ class SGLangEngine:
         """Receive the weights broadcast over the weight-update `group` (`/init_weights_update_group` as
         `rank_offset` when the group is new; it blocks until the trainer joins), one
         `/update_weights_from_distributed` per bucket."""
-        if self._adapter_versions:
-            raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
+        self._check_base_weights_pushable()
         if self._weight_group != group.group_name:
             if self._weight_group is not None:
                 self._post("/destroy_weights_update_group", {"group_name": self._weight_group})
                 self._weight_group = None
             self._check_answers([self._post("/init_weights_update_group", group.request(rank_offset)).json()], version)
             self._weight_group = group.group_name
-        answers = self._refit(
-            version,
-            lambda: [
-                self._post(
-                    "/update_weights_from_distributed",
-                    {
-                        "names": [name for name, _, _ in specs],
-                        "dtypes": [dtype for _, dtype, _ in specs],
-                        "shapes": [shape for _, _, shape in specs],
-                        "group_name": group.group_name,
-                        "flush_cache": self._flush_cache and last,  # once the whole model has landed
-                        "weight_version": str(version),
-                        "load_format": load_format,
-                    },
-                ).json()
-                for last, specs in ((i == len(buckets) - 1, specs) for i, specs in enumerate(buckets))
-            ],
-        )
-        self._check_answers(answers, version)
-        self._weight_version = version
+        bodies = [
+            {
+                "names": [name for name, _, _ in specs],
+                "dtypes": [dtype for _, dtype, _ in specs],
+                "shapes": [shape for _, _, shape in specs],
+                "group_name": group.group_name,
+                "load_format": load_format,
+            }
+            for specs in buckets
+        ]
+        self._load(version, "/update_weights_from_distributed", bodies)
 
     def update_weights_from_tensor(self, payloads: list[str], version: int) -> None:
-        """Load `/update_weights_from_tensor` payloads (miles.tensor_payload), one request per bucket, the prefix
-        cache flushed with the last."""
+        """Load `/update_weights_from_tensor` payloads (miles.tensor_payload), one request per bucket."""
+        self._check_base_weights_pushable()
+        self._load(version, "/update_weights_from_tensor", [{"serialized_named_tensors": [p]} for p in payloads])
+
+    def _check_base_weights_pushable(self) -> None:
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
-        if self.config.tp_size != 1:
-            raise ValueError("rollout.weight_transport=tensor takes one payload per bucket: rollout.sglang.tp_size=1")
-        answers = self._refit(
-            version,
-            lambda: [
-                self._post(
-                    "/update_weights_from_tensor",
-                    {
-                        "serialized_named_tensors": [payload],
-                        "flush_cache": self._flush_cache and index == len(payloads) - 1,
-                        "weight_version": str(version),
-                    },
-                ).json()
-                for index, payload in enumerate(payloads)
-            ],
-        )
+
+    def _load(self, version: int, path: str, bodies: list[dict]) -> None:
+        """POST each body to `path` as weights `version`, in SGLang's refit order: pause / begin / the loads / end /
+        continue. Generation resumes whatever happens, and a failed session is closed. The requests in flight are
+        paused, not aborted (rollout.pause_generation_mode), and go on with the new weights. The prefix (radix)
+        cache, whose keys and values are the old weights', is flushed with the last load; in mode retract the paused
+        requests wait in the queue, which a paused server's flush ignores, while in mode in_place they keep their
+        cache and SGLang refuses a flush, so none is asked for."""
+        flush = self.pause_generation_mode != "in_place"
+        answers = []
+        self._post("/pause_generation", {"mode": self.pause_generation_mode})
+        try:
+            self._post("/begin_weight_update")
+            try:
+                for i, body in enumerate(bodies):
+                    last = i == len(bodies) - 1
+                    answers.append(
+                        self._post(path, {**body, "weight_version": str(version), "flush_cache": flush and last}).json()
+                    )
+            finally:
+                self._post("/end_weight_update")
+        finally:
+            self._post("/continue_generation")
         self._check_answers(answers, version)
         self._weight_version = version
 
@@ -410,26 +394,6 @@ class SGLangEngine:
                 f"sglang server at {self.url} gave {len(pairs)} prompt log-probs for {len(token_ids)} tokens: {pairs}"
             )
         return [float(p[0]) for p in pairs[1:]]
-
-    @property
-    def _flush_cache(self) -> bool:
-        """Whether a load flushes the prefix (radix) cache, whose keys and values the old weights computed: always,
-        but in pause mode in_place, where SGLang refuses a flush while requests run (they keep their cache)."""
-        return self.pause_generation_mode != "in_place"
-
-    def _refit(self, version: int, load: Callable[[], list[dict]]) -> list[dict]:
-        """SGLang's refit order around `load`; generation resumes whatever happens, and a failed session is closed.
-        The requests in flight are paused, not aborted (rollout.pause_generation_mode), and go on with the new
-        weights; in mode retract they wait in the queue, which a flush ignores while generation is paused."""
-        self._post("/pause_generation", {"mode": self.pause_generation_mode})
-        try:
-            self._post("/begin_weight_update")
-            try:
-                return load()
-            finally:
-                self._post("/end_weight_update")
-        finally:
-            self._post("/continue_generation")
 
     def _check_answers(self, answers: list[dict], version: int) -> None:
         failed = [answer.get("message") for answer in answers if not answer.get("success", False)]

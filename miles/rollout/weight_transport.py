@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,52 +93,44 @@ class DiskPush(WeightPush):
                 shutil.rmtree(older, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class TrainerWeights:
+    """What a tensor or distributed push needs of the trainer: the actor, the dtype the engines serve (what is sent;
+    None: the trainer's own), the version it holds and its probe of the weights it holds (miles.weight_check)."""
+
+    trainer: RestartableActor
+    dtype: str | None
+    version: Callable[[], int]
+    probe: Callable[[], WeightProbe | None]
+
+
 class TensorPush(WeightPush):
     """Transport tensor: each bucket as SGLang's `/update_weights_from_tensor` payload; on the GPU CUDA IPC handles to
     the trainer's rank 0 memory, which a server on the same GPU maps (miles.tensor_payload)."""
 
     method = RolloutEngine.update_weights_from_tensor
 
-    def __init__(self, transport: TensorTransport, version: int):
-        super().__init__(version, transport.probe())
-        self.transport = transport
-        self.payloads = transport.trainer.hand_over(TrainActor.weight_payloads, transport.dtype, to=lambda ref: ref)
+    def __init__(self, source: TrainerWeights, version: int):
+        super().__init__(version, source.probe())
+        self.source = source
+        self.payloads = source.trainer.hand_over(TrainActor.weight_payloads, source.dtype, to=lambda ref: ref)
 
     def engine_args(self, index: int) -> tuple:
         return self.payloads, self.version
 
     def refill(self, restarted: list[int], engine_count: int) -> tuple[WeightPush, list[int]]:
         """The handles of a landed push point to memory the trainer has let go: new ones, of its current weights."""
-        return TensorPush(self.transport, self.transport.trainer_version()), restarted
+        return TensorPush(self.source, self.source.version()), restarted
 
     def landed(self) -> None:
-        self.transport.trainer.call(TrainActor.release_payload_weights)
-
-
-class TensorTransport:
-    """What a tensor push needs of the trainer: its payloads, in the engines' dtype, and its probe and version."""
-
-    def __init__(
-        self,
-        trainer: RestartableActor,
-        dtype: str | None,
-        trainer_version: Callable[[], int],
-        probe: Callable[[], WeightProbe | None],
-    ):
-        self.trainer = trainer
-        self.dtype = dtype
-        self.trainer_version = trainer_version
-        self.probe = probe
-
-    def push(self, version: int) -> TensorPush:
-        return TensorPush(self, version)
+        self.source.trainer.call(TrainActor.release_payload_weights)
 
 
 class DistributedPush(WeightPush):
     method = RolloutEngine.update_weights_from_distributed
 
     def __init__(self, transport: DistributedTransport, version: int):
-        super().__init__(version, transport.probe())
+        super().__init__(version, transport.source.probe())
         self.transport = transport
         self.group, self.rank_offsets = transport.group()
         self.buckets = transport.bucket_specs()
@@ -146,8 +139,8 @@ class DistributedPush(WeightPush):
         return self.group, self.rank_offsets[index], self.buckets, self.version, self.transport.load_format
 
     def send(self) -> None:
-        transport = self.transport
-        error = transport.trainer.call(TrainActor.broadcast_weights, self.group, transport.load_format, transport.dtype)
+        load_format, source = self.transport.load_format, self.transport.source
+        error = source.trainer.call(TrainActor.broadcast_weights, self.group, load_format, source.dtype)
         if error is not None:
             raise RuntimeError(f"the trainer could not send weights version {self.version}: {error}")
 
@@ -156,7 +149,7 @@ class DistributedPush(WeightPush):
 
     def refill(self, restarted: list[int], engine_count: int) -> tuple[WeightPush, list[int]]:
         """The group lost a member: all engines join a new one and get the trainer's current weights."""
-        return DistributedPush(self.transport, self.transport.trainer_version()), list(range(engine_count))
+        return DistributedPush(self.transport, self.transport.source.version()), list(range(engine_count))
 
 
 class DistributedTransport:
@@ -165,25 +158,19 @@ class DistributedTransport:
 
     def __init__(
         self,
-        trainer: RestartableActor,
+        source: TrainerWeights,
         engines: Callable[[], list[ray.actor.ActorHandle]],
         ranks_per_engine: int,
         load_format: str | None,
         backend: str,
         timeout_s: float,
-        trainer_version: Callable[[], int],
-        probe: Callable[[], WeightProbe | None],
-        dtype: str | None = None,
     ):
-        self.trainer = trainer
-        self.dtype = dtype  # what the engines serve, and so what is sent (None: the trainer's own)
-        self.probe = probe  # the trainer's probe of the weights it holds now
+        self.source = source
         self.engines = engines
         self.ranks_per_engine = ranks_per_engine
         self.load_format = load_format
         self.backend = backend
         self.timeout_s = timeout_s
-        self.trainer_version = trainer_version
         self._group: WeightGroup | None = None
         self._members: tuple | None = None
         self._working = False  # the last push over the group landed
@@ -195,9 +182,9 @@ class DistributedTransport:
 
     def group(self) -> tuple[WeightGroup, list[int]]:
         engines = self.engines()
-        members = (self.trainer.group, *(engine._actor_id for engine in engines))
+        members = (self.source.trainer.group, *(engine._actor_id for engine in engines))
         if self._group is None or members != self._members or not self._working:
-            host, port = self.trainer.call(TrainActor.free_address)
+            host, port = self.source.trainer.call(TrainActor.free_address)
             self._made += 1
             self._group = WeightGroup(
                 master_address=host,
@@ -215,6 +202,9 @@ class DistributedTransport:
 
     def bucket_specs(self) -> list[list[TensorSpec]]:
         """The trainer's buckets; they change only with the trainer group (a new model, the same names)."""
-        if self._specs is None or self._specs[0] is not self.trainer.group:
-            self._specs = (self.trainer.group, self.trainer.call(TrainActor.weight_bucket_specs, self.dtype))
+        if self._specs is None or self._specs[0] is not self.source.trainer.group:
+            self._specs = (
+                self.source.trainer.group,
+                self.source.trainer.call(TrainActor.weight_bucket_specs, self.source.dtype),
+            )
         return self._specs[1]
