@@ -404,7 +404,19 @@ class TrainConfig(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.98)
     grad_clip: float = Field(1.0, gt=0)
     global_batch_size: int = Field(256, gt=0, description="samples per optimizer step")
-    micro_batch_size: int = Field(256, gt=0, description="samples per forward/backward")
+    micro_batch_size: int = Field(256, gt=0, description="samples per forward/backward, at most")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        gt=0,
+        description="padded tokens (samples x the longest of them) per forward/backward, at most: micro-batches of "
+        "short samples take more of them (a longer sample goes alone); unset: micro_batch_size samples each",
+    )
+    logits_chunk_mb: float = Field(
+        64.0,
+        gt=0,
+        description="the output head runs this many MiB of float32 logits at a time (positions x vocabulary), so "
+        "that a micro-batch's memory does not grow with its length times the vocabulary",
+    )
     num_passes: int = Field(1, gt=0, description="passes over each rollout")
     num_threads: int = Field(2, gt=0, description="torch threads of the train actor")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the trainer: cpu or cuda")

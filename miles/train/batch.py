@@ -43,10 +43,14 @@ class TrainBatch:
             self.advantages,
         )
 
+    def lengths(self) -> torch.Tensor:
+        """Each row's length up to its last token (right padding): what a micro-batch holding it pads to."""
+        return self.attention_mask.sum(dim=1)
+
     def by_length(self, global_batch_size: int) -> TrainBatch:
         """The rows of each global batch longest first, so that micro-batches group samples of like lengths (the
         step's gradient is a sum over its rows: their order changes nothing but the padding)."""
-        lengths = self.attention_mask.sum(dim=1)
+        lengths = self.lengths()
         order = torch.cat(
             [
                 start + torch.argsort(lengths[start : start + global_batch_size], descending=True, stable=True)
@@ -54,6 +58,39 @@ class TrainBatch:
             ]
         )
         return self.rows(order)
+
+
+def micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int | None) -> list[slice]:
+    """Consecutive micro-batches over rows of the given `lengths` (each row's padded length; rows longest first, as
+    `by_length` leaves them): at most `max_rows` rows each and, with `max_tokens`, at most `max_tokens` padded tokens
+    (rows x the micro-batch's longest row; a longer row is a micro-batch of its own): a micro-batch of short samples
+    takes more of them, one of long samples fewer (verl's dynamic batch size, slime's token-based micro-batches)."""
+    bounds, start, longest = [], 0, 0
+    for row, length in enumerate(lengths.tolist()):
+        longest_with = max(longest, length)
+        rows_with = row - start + 1
+        if row > start and (rows_with > max_rows or (max_tokens is not None and rows_with * longest_with > max_tokens)):
+            bounds.append(slice(start, row))
+            start, longest_with = row, length
+        longest = longest_with
+    if len(lengths):
+        bounds.append(slice(start, len(lengths)))
+    return bounds
+
+
+def split_to(bounds: list[slice], lengths: torch.Tensor, count: int) -> list[slice]:
+    """`bounds` split further into `count` micro-batches (every rank of a sharded model must run as many forwards as
+    the others): the costliest micro-batch of more than one row is halved until there are `count`."""
+    bounds = list(bounds)
+    while len(bounds) < count:
+        splittable = [b for b in bounds if b.stop - b.start > 1]
+        if not splittable:
+            raise ValueError(f"{len(bounds)} rows cannot make {count} micro-batches")
+        widest = max(splittable, key=lambda b: (b.stop - b.start) * int(lengths[b].max()))
+        middle = (widest.start + widest.stop) // 2
+        at = bounds.index(widest)
+        bounds[at : at + 1] = [slice(widest.start, middle), slice(middle, widest.stop)]
+    return bounds
 
 
 def _list_view(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:

@@ -15,24 +15,44 @@ from miles.config import AlgoConfig, RunConfig
 from miles.train.algorithms import Algorithm
 from miles.train.algorithms.aggregation import LossScale
 from miles.train.algorithms.off_policy import importance_weights
-from miles.train.batch import TrainBatch, batch_from_table
-from miles.train.logprobs import next_token_log_softmax, picked_logprobs, token_entropy, token_logprobs
+from miles.train.batch import TrainBatch, batch_from_table, micro_batches, split_to
+from miles.train.logprobs import token_stats
 
 ReferenceLogprobs = Callable[[TrainBatch], torch.Tensor]
 
 
 @torch.no_grad()
 def batch_logprobs(model, batch: TrainBatch, config: RunConfig, device: torch.device) -> torch.Tensor:
-    """Per-token log-probs of the batch's tokens under `model`, micro-batch by micro-batch."""
-    step = config.train.micro_batch_size
+    """Per-token log-probs of the batch's tokens under `model`, micro-batch by micro-batch, in eval mode (no
+    dropout: these are the old or reference policy's log-probs, not a training forward)."""
     width = batch.tokens.shape[1]
     parts = []
-    for start in range(0, len(batch), step):
-        mb = batch.rows(slice(start, start + step)).trimmed()
-        logits = model(input_ids=mb.tokens.to(device), attention_mask=mb.attention_mask.to(device)).logits
-        logprobs = token_logprobs(logits, mb.tokens.to(device), config.rollout.temperature)
-        parts.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
+    training = model.training
+    model.eval()
+    try:
+        for rows in rank_micro_batches(batch, slice(0, len(batch)), config):
+            mb = batch.rows(rows).trimmed()
+            tokens = mb.tokens.to(device)
+            logprobs, _ = token_stats(
+                model, tokens, mb.attention_mask.to(device), config.rollout.temperature, config.train.logits_chunk_mb
+            )
+            parts.append(torch.nn.functional.pad(logprobs, (0, width - logprobs.shape[1])))
+    finally:
+        model.train(training)
     return torch.cat(parts)
+
+
+def rank_micro_batches(batch: TrainBatch, rows: slice, config: RunConfig) -> list[slice]:
+    """The micro-batches of `rows` (absolute row slices): at most train.micro_batch_size samples and, with
+    train.max_tokens_per_micro_batch, at most that many padded tokens; in a process group, as many on every rank
+    (the most any rank needs), since each forward of a sharded model is a collective."""
+    lengths = batch.lengths()[rows]
+    bounds = micro_batches(lengths, config.train.micro_batch_size, config.train.max_tokens_per_micro_batch)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        count = torch.tensor([len(bounds)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        bounds = split_to(bounds, lengths, int(count))
+    return [slice(rows.start + b.start, rows.start + b.stop) for b in bounds]
 
 
 def token_advantages(
@@ -98,22 +118,36 @@ class PolicyLogprobs:
     (`rollout`), the trainer's before this rollout's first step (`old`), the reference policy's (`reference`).
 
     `old` of the first global batch is filled by that batch's own forward passes, which run before the first step
-    and so give it for free (`fill_old`); the other rows get a forward now, before any step, when the loss uses
-    them (as the old policy, or for the off-policy weight). Otherwise the trainer-vs-rollout metrics cover the
-    first global batch only (`measured`)."""
+    and so give it for free (`fill_old`), unless the model has dropout (a training forward is then not the old
+    policy's); the other rows get an eval-mode forward now, before any step, when the loss uses them (as the old
+    policy, or for the off-policy weight). Otherwise the trainer-vs-rollout metrics cover the first global batch
+    only (`measured`)."""
 
     rollout: torch.Tensor
     old: torch.Tensor
     reference: torch.Tensor | None
     measured: slice
     use_rollout_logprobs: bool
+    old_from_training: bool
 
     def old_policy(self, rows: tuple[slice, slice]) -> torch.Tensor:
         """The old policy of the ratio: the engine's log-probs (algo.use_rollout_logprobs) or the trainer's."""
         return self.rollout[rows] if self.use_rollout_logprobs else self.old[rows]
 
     def fill_old(self, rows: tuple[slice, slice], logprobs: torch.Tensor) -> None:
-        self.old[rows] = logprobs.detach()
+        if self.old_from_training:
+            self.old[rows] = logprobs.detach()
+
+
+def dropout_active(model: torch.nn.Module) -> bool:
+    """Whether a training forward drops anything: a dropout module with p > 0, or a dropout rate in the config
+    (attention dropout is a functional argument in transformers' models, not a module)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    rates = model.config.to_dict().items()
+    return any(
+        ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0 for key, value in rates
+    )
 
 
 def policy_logprobs(
@@ -127,21 +161,24 @@ def policy_logprobs(
     algo = config.algo
     rollout = batch.rollout_logprobs.to(device)
     old = torch.zeros_like(rollout)
-    needs_old_policy = not algo.use_rollout_logprobs or algo.corrects_off_policy
-    if len(batch) > local_gbs and needs_old_policy:
-        old[local_gbs:] = batch_logprobs(model, batch.rows(slice(local_gbs, None)), config, device)
+    old_from_training = not dropout_active(model)
+    needs_old_policy = not algo.use_rollout_logprobs or algo.corrects_off_policy or not old_from_training
+    first = local_gbs if old_from_training else 0
+    if len(batch) > first and needs_old_policy:
+        old[first:] = batch_logprobs(model, batch.rows(slice(first, None)), config, device)
     return PolicyLogprobs(
         rollout=rollout,
         old=old,
         reference=reference(batch) if reference is not None else None,
         measured=slice(None) if needs_old_policy else slice(0, local_gbs),
         use_rollout_logprobs=algo.use_rollout_logprobs,
+        old_from_training=old_from_training,
     )
 
 
 def micro_batch_loss(
     logp: torch.Tensor,
-    log_softmax: torch.Tensor,
+    entropy: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     rows: tuple[slice, slice],
@@ -152,7 +189,8 @@ def micro_batch_loss(
     sums: dict[str, float],
 ) -> torch.Tensor:
     """Stage 4, the loss of one micro-batch: aggregate(policy_loss * importance weight) + kl_loss_coef *
-    aggregate(KL) - entropy_coef * aggregate(entropy), each aggregate normalised over the micro-batch's global batch
+    aggregate(KL) - entropy_coef * aggregate(entropy) (`entropy`: per token, with a gradient only when
+    entropy_coef is set), each aggregate normalised over the micro-batch's global batch
     (`scale`); adds the micro-batch's metric sums to `sums`."""
     aggregate = algorithm.loss_aggregation
     old_lp = logprobs.old_policy(rows)
@@ -165,11 +203,7 @@ def micro_batch_loss(
         loss = loss + algo.kl_loss_coef * aggregate(kl, mask, scale)
         sums["kl_ref"] += float((kl.detach() * mask).sum())
     if algo.entropy_coef:
-        entropy = token_entropy(log_softmax, mask)
         loss = loss - algo.entropy_coef * aggregate(entropy, mask, scale)
-    else:  # a metric only: no graph
-        with torch.no_grad():
-            entropy = token_entropy(log_softmax.detach(), mask)
     sums["pg_loss"] += float((pg.detach() * mask).sum())
     sums["entropy"] += float((entropy.detach() * mask).sum())
     sums["ppo_kl"] += float(((old_lp - logp.detach()) * mask).sum())
@@ -200,24 +234,28 @@ def optimizer_step(
     scale = LossScale(
         tokens=max(step_tokens, 1.0), sequences=config.train.global_batch_size, horizon=config.rollout.max_model_tokens
     )
-    mbs = min(config.train.micro_batch_size, step_rows.stop - step_rows.start)
     optimizer.zero_grad(set_to_none=True)
     step_loss = 0.0
-    for m in range(step_rows.start, step_rows.stop, mbs):
-        mb = batch.rows(slice(m, m + mbs)).trimmed()
-        rows = (slice(m, m + mbs), slice(0, mb.tokens.shape[1]))  # the micro-batch's rows and columns
+    for micro in rank_micro_batches(batch, step_rows, config):
+        mb = batch.rows(micro).trimmed()
+        rows = (micro, slice(0, mb.tokens.shape[1]))  # the micro-batch's rows and columns
         tokens = mb.tokens.to(device)
         mask = mask_all[rows].to(device).float()
-        logits = model(input_ids=tokens, attention_mask=mb.attention_mask.to(device)).logits
-        log_softmax = next_token_log_softmax(logits, config.rollout.temperature)
-        logp = picked_logprobs(log_softmax, tokens)
+        logp, entropy = token_stats(
+            model,
+            tokens,
+            mb.attention_mask.to(device),
+            config.rollout.temperature,
+            config.train.logits_chunk_mb,
+            entropy_grad=bool(algo.entropy_coef),
+        )
         if first_pass and step_rows.start == 0:
             logprobs.fill_old(rows, logp)
         reference = logprobs.reference[rows] if logprobs.reference is not None else None
         advantages = token_advantages(
             mb.advantages.to(device), mask, algo, algorithm, logprobs.old_policy(rows), reference
         )
-        loss = micro_batch_loss(logp, log_softmax, advantages, mask, rows, logprobs, algo, algorithm, scale, sums)
+        loss = micro_batch_loss(logp, entropy, advantages, mask, rows, logprobs, algo, algorithm, scale, sums)
         loss.backward()
         step_loss += float(loss.detach())
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.grad_clip)

@@ -42,9 +42,23 @@ def _actor(small_config, tiny_model_dir, tmp_path, *overrides):
     ],
     ids=["ppo_clip", "gspo", "cispo", "dr_grpo"],
 )
-def test_micro_batches_accumulate_to_the_full_batch_update(small_config, tiny_model_dir, tmp_path, rollout, algorithm):
+@pytest.mark.parametrize(
+    "split_by",
+    [
+        ["train.micro_batch_size=4"],
+        # 2 to 3 samples of about 9 tokens per micro-batch, as their lengths allow
+        ["train.micro_batch_size=16", "train.max_tokens_per_micro_batch=24"],
+        ["train.micro_batch_size=16", "train.max_tokens_per_micro_batch=1"],  # one sample each
+    ],
+    ids=["by_count", "by_tokens", "one_each"],
+)
+def test_micro_batches_accumulate_to_the_full_batch_update(
+    small_config, tiny_model_dir, tmp_path, rollout, algorithm, split_by
+):
+    """The aggregation's denominators are the global batch's: however the micro-batches split it (by count or by a
+    token budget), the step is the same."""
     whole = _actor(small_config, tiny_model_dir, tmp_path / "a", "train.micro_batch_size=16", *algorithm)
-    split = _actor(small_config, tiny_model_dir, tmp_path / "b", "train.micro_batch_size=4", *algorithm)
+    split = _actor(small_config, tiny_model_dir, tmp_path / "b", *split_by, *algorithm)
     m_whole, m_split = whole.train(0, rollout), split.train(0, rollout)
     # Adam's first step moves each weight by about lr (1e-3) times the sign of its gradient: a wrong accumulation
     # moves most weights by ~lr, while summation order alone can nudge an element whose gradient is ~0.

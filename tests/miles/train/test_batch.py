@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles.rollout.schema import ROLLOUT_SCHEMA
-from miles.train.batch import TrainBatch, batch_from_table
+from miles.train.batch import TrainBatch, batch_from_table, micro_batches, split_to
 
 PAD = 13
 
@@ -162,3 +162,26 @@ def test_micro_batches_cost_their_own_longest_sample():
     short = ordered.rows(slice(2, 4)).trimmed()
     assert short.tokens.shape == (2, 9) and batch.tokens.shape == (4, 11)
     assert torch.equal(short.tokens, ordered.tokens[2:4, :9]) and not ordered.attention_mask[2:4, 9:].any()
+
+
+def test_token_budget_micro_batches_by_hand():
+    lengths = torch.tensor([9, 9, 8, 5, 5, 3])
+    # 2 x 9 = 18 fits 20 (a third row would make 27); 2 x 8 = 16 (3 x 8 = 24 would not); 2 x 5 = 10
+    assert micro_batches(lengths, max_rows=16, max_tokens=20) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    # by count alone
+    assert micro_batches(lengths, max_rows=4, max_tokens=None) == [slice(0, 4), slice(4, 6)]
+    # both bounds: the row count binds first for the short rows
+    assert micro_batches(lengths, max_rows=2, max_tokens=100) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+
+
+def test_a_row_longer_than_the_token_budget_goes_alone():
+    assert micro_batches(torch.tensor([30, 4, 4]), max_rows=8, max_tokens=20) == [slice(0, 1), slice(1, 3)]
+
+
+def test_micro_batches_are_split_to_the_count_the_other_ranks_need():
+    lengths = torch.tensor([9, 9, 8, 5])
+    # halving [0, 4) gives costs 18 and 16; the costlier half is halved next
+    assert split_to([slice(0, 4)], lengths, 3) == [slice(0, 1), slice(1, 2), slice(2, 4)]
+    assert split_to([slice(0, 2), slice(2, 4)], lengths, 2) == [slice(0, 2), slice(2, 4)]
+    with pytest.raises(ValueError, match="2 rows cannot make 3 micro-batches"):
+        split_to([slice(0, 1), slice(1, 2)], lengths[:2], 3)

@@ -56,8 +56,14 @@ def _trained(small_config, tiny_model_dir, run_dir, rollout, *overrides):
 
 @pytest.mark.parametrize(
     "options",
-    [[], ["algo.policy_loss=gspo", "algo.tis_level=sequence"], ["train.gradient_checkpointing=true"]],
-    ids=["ppo_clip", "gspo", "gradient_checkpointing"],
+    [
+        [],
+        ["algo.policy_loss=gspo", "algo.tis_level=sequence"],
+        ["train.gradient_checkpointing=true"],
+        # the ranks' token budgets need different micro-batch counts; the head runs 16 positions at a time
+        ["train.micro_batch_size=8", "train.max_tokens_per_micro_batch=30", "train.logits_chunk_mb=0.001"],
+    ],
+    ids=["ppo_clip", "gspo", "gradient_checkpointing", "token_budget_chunked_head"],
 )
 def test_two_sharded_workers_equal_one_unsharded(ray_session, small_config, tiny_model_dir, tmp_path, rollout, options):
     single, m_single = _trained(small_config, tiny_model_dir, tmp_path / "one", rollout, *options)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 import torch
+from transformers import PretrainedConfig
 
 from miles.config import load_config
 from miles.rollout.schema import ROLLOUT_SCHEMA
@@ -17,17 +18,34 @@ from miles.train.update import token_advantages, train_on_rollout
 OLD_LOGPROB, ROLLOUT_LOGPROB = -1.0, -1.2
 
 
+class OneTokenHead(torch.nn.Module):
+    """An output head over a vocabulary of two whose logits are [theta * h, 0]."""
+
+    out_features = 2
+
+    def __init__(self, theta: float):
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.tensor(theta, dtype=torch.float64))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([hidden * self.theta, torch.zeros_like(hidden)], dim=-1)
+
+
 class OneTokenPolicy(torch.nn.Module):
-    """Logits [theta, 0] at every position over a vocabulary of two: log p(token 0) = log sigmoid(theta)."""
+    """Logits [theta, 0] at every position: log p(token 0) = log sigmoid(theta). They come from an output head over a
+    constant hidden state, as a causal LM's do."""
 
     def __init__(self, logprob: float):
         super().__init__()
         p = math.exp(logprob)
-        self.theta = torch.nn.Parameter(torch.tensor(math.log(p / (1 - p)), dtype=torch.float64))
+        self.config = PretrainedConfig()
+        self.head = OneTokenHead(math.log(p / (1 - p)))
+
+    def get_output_embeddings(self) -> OneTokenHead:
+        return self.head
 
     def forward(self, input_ids, attention_mask):
-        theta = self.theta.expand(input_ids.shape)
-        return SimpleNamespace(logits=torch.stack([theta, torch.zeros_like(theta)], dim=-1))
+        return SimpleNamespace(logits=self.head(torch.ones(*input_ids.shape, 1, dtype=torch.float64)))
 
 
 def _one_token_rollout(advantage: float) -> pa.Table:
@@ -74,7 +92,7 @@ def _logprob_gradient(*overrides: str) -> float:
         policy, optimizer, list(policy.parameters()), _one_token_rollout(1.0), config, torch.device("cpu"), 1
     )
     # d log sigmoid(theta) / d theta = 1 - sigmoid(theta) = 1 - exp(OLD_LOGPROB)
-    return float(policy.theta.grad) / (1 - math.exp(OLD_LOGPROB))
+    return float(policy.head.theta.grad) / (1 - math.exp(OLD_LOGPROB))
 
 
 def test_rollout_logprobs_as_old_policy_are_not_corrected_twice():
