@@ -31,13 +31,18 @@ MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
 OPTIMIZER_DIR = "optimizer"
 OPTIMIZER_META = "param_groups.json"
+MASTER_WEIGHT = "master_weight"
 
 
-def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+def save_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, master_weights: bool = False
+) -> None:
     """The optimizer's state in `directory/optimizer/`: its tensors keyed `<parameter name>/<entry>` through
     torch.distributed.checkpoint, each rank writing its own shard as safetensors (with the shard's offsets in the
-    file's header, so that another number of ranks can read it), and its hyper-parameters as JSON. With a sharded
-    model a collective that every rank calls; the directory must be the same (shared) one on every rank."""
+    file's header, so that another number of ranks can read it), and its hyper-parameters as JSON. With
+    `master_weights`, the parameters themselves too (`<name>/master_weight`): the model directory beside it holds
+    them in the model's narrower dtype, and a resume continues from these. With a sharded model a collective that
+    every rank calls; the directory must be the same (shared) one on every rank."""
     state = get_optimizer_state_dict(model, optimizer)
     tensors, scalars = {}, {}
     for name, entries in state["state"].items():
@@ -46,6 +51,8 @@ def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dir
                 tensors[f"{name}/{entry}"] = value
             else:
                 scalars[f"{name}/{entry}"] = value
+    if master_weights:
+        tensors |= {f"{name}/{MASTER_WEIGHT}": p.detach() for name, p in model.named_parameters() if p.requires_grad}
     target = directory / OPTIMIZER_DIR
     dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(target), save_distributed=True))
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -54,7 +61,7 @@ def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dir
 
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Restore what save_optimizer wrote, whatever number of ranks wrote it: each rank reads the slices of its own
-    shards (a collective with a sharded model)."""
+    shards (a collective with a sharded model); saved master weights go into the parameters."""
     source = str(directory / OPTIMIZER_DIR)
     meta = json.loads((directory / OPTIMIZER_DIR / OPTIMIZER_META).read_text())
     parameters = dict(model.named_parameters())
@@ -70,7 +77,11 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dir
     state: dict[str, dict[str, Any]] = {}
     for key, value in [*tensors.items(), *meta["scalars"].items()]:
         name, entry = key.rsplit("/", 1)
-        state.setdefault(name, {})[entry] = value
+        if entry == MASTER_WEIGHT:
+            with torch.no_grad():
+                parameters[name].copy_(value)
+        else:
+            state.setdefault(name, {})[entry] = value
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": meta["param_groups"]})
 
 
@@ -165,6 +176,13 @@ def write_checkpoint(target: Path, rollout_id: int, state: dict[str, Any], write
     staging = staging_dir(target)
     write_files(staging)
     return commit_checkpoint(staging, target, rollout_id, state)
+
+
+def weights_dtype(model_dir: Path) -> str:
+    """The dtype of a model directory's weights, as its config.json names it (`dtype`, or the older `torch_dtype`);
+    float32, transformers' default, when it names none."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("dtype") or config.get("torch_dtype") or "float32"
 
 
 def unshared(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

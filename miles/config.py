@@ -238,9 +238,16 @@ class RolloutConfig(_Section):
     n_samples_per_prompt: int = Field(8, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(4, gt=0)
+    max_new_tokens: int | None = Field(
+        None, gt=0, description="tokens a response may take; unset: the preset's (4 on a built-in task, else 1024)"
+    )
     num_threads: int = Field(2, gt=0, description="torch threads of each engine actor")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the engines: cpu or cuda")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="the dtype the engines serve the weights in; auto: the model's own (config.json), except that "
+        "the torch engine on a CPU serves float32 (the trainer's master weights; CPU bfloat16 matmuls are slow)",
+    )
     engine_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -399,9 +406,11 @@ class AlgoConfig(_Section):
 
 
 class TrainConfig(_Section):
-    lr: float = Field(5e-4, gt=0)
+    lr: float | None = Field(None, gt=0, description="unset: the preset's (5e-4 on a built-in task, else 1e-6)")
     weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_betas: tuple[float, float] | None = Field(
+        None, description="unset: the preset's ((0.9, 0.98) on a built-in task, else torch's (0.9, 0.999))"
+    )
     grad_clip: float = Field(1.0, gt=0)
     global_batch_size: int = Field(256, gt=0, description="samples per optimizer step")
     micro_batch_size: int = Field(256, gt=0, description="samples per forward/backward, at most")
@@ -409,7 +418,8 @@ class TrainConfig(_Section):
         None,
         gt=0,
         description="padded tokens (samples x the longest of them) per forward/backward, at most: micro-batches of "
-        "short samples take more of them (a longer sample goes alone); unset: micro_batch_size samples each",
+        "short samples take more of them (a longer sample goes alone); unset: the preset's (none on a built-in task: "
+        "micro_batch_size samples each; else 8192)",
     )
     logits_chunk_mb: float = Field(
         64.0,
@@ -503,6 +513,22 @@ def embedded_adapters() -> list[AdapterConfig]:
     ]
 
 
+# The settings a field left unset takes (RunConfig._preset). A built-in task: today's embedded-model values (4-token
+# answers; a 0.5M-parameter model learns at 5e-4). The user's own data, on a pretrained model: the peers' common
+# values (README, "Presets", says where each comes from).
+EMBEDDED_TASK_PRESET: dict[tuple[str, str], Any] = {
+    ("rollout", "max_new_tokens"): 4,
+    ("train", "lr"): 5e-4,
+    ("train", "adam_betas"): (0.9, 0.98),
+}
+OWN_DATA_PRESET: dict[tuple[str, str], Any] = {
+    ("rollout", "max_new_tokens"): 1024,
+    ("train", "lr"): 1e-6,
+    ("train", "adam_betas"): (0.9, 0.999),
+    ("train", "max_tokens_per_micro_batch"): 8192,
+}
+
+
 class RunConfig(_Section):
     run_dir: str = "runs/tiny"
     seed: int = 0
@@ -526,6 +552,16 @@ class RunConfig(_Section):
         default_factory=list,
         description="LoRA adapters of the multi-LoRA flow; unset on the embedded model: one per built-in task",
     )
+
+    @model_validator(mode="after")
+    def _preset(self) -> RunConfig:
+        """The fields left unset take the preset of the run's data: a built-in task's (the embedded model's short
+        answers), or the field's defaults for a model on the user's own data (README, "Presets")."""
+        preset = EMBEDDED_TASK_PRESET if self.data.task is not None else OWN_DATA_PRESET
+        for (section, name), value in preset.items():
+            if getattr(getattr(self, section), name) is None:
+                setattr(getattr(self, section), name, value)
+        return self
 
     @model_validator(mode="after")
     def _batch_shapes(self) -> RunConfig:

@@ -139,7 +139,7 @@ class RLRun:
             started.callback(self.trainer.kill)
             self._trainer_weights = TrainerWeights(
                 self.trainer,
-                self.controller.engine_class.served_dtype(str(self.initial_model)),
+                self.controller.engine_class.served_dtype(str(self.initial_model), config.rollout),
                 version=lambda: self.iterations.trainer_version,
                 probe=self._weight_probe,
             )
@@ -206,7 +206,7 @@ class RLRun:
             )
         elif self.transport == "disk":
             directory = self.run_dir.engine_weights / str(version)
-            self.trainer.call(TrainActor.write_weights, str(directory))
+            self.trainer.call(TrainActor.write_weights, str(directory), self._trainer_weights.dtype)
             self.controller.update_weights(DiskPush(directory, version, self._weight_probe()))
         elif self.transport == "tensor":
             self.controller.update_weights(TensorPush(self._trainer_weights, version))

@@ -90,13 +90,14 @@ def check_adapters_loaded(requests: list[GenerateRequest], loaded) -> None:
         raise ValueError(f"requests name adapters that are not loaded: {unknown}; loaded: {sorted(loaded)}")
 
 
-def shared_launch_args(model_dir: str, weight_version: int, rollout: RolloutConfig) -> dict[str, Any]:
-    """The launch arguments every engine takes: the model and its version, the device, and how requests are
-    scheduled and paused for a push."""
+def shared_launch_args(model_dir: str, weight_version: int, rollout: RolloutConfig, dtype: str) -> dict[str, Any]:
+    """The launch arguments every engine takes: the model and its version, the device and the dtype it serves,
+    and how requests are scheduled and paused for a push."""
     return dict(
         model_dir=model_dir,
         weight_version=weight_version,
         device=rollout.device,
+        dtype=dtype,
         max_running_requests=rollout.max_running_requests,
         pause_generation_mode=rollout.pause_generation_mode,
     )
@@ -127,8 +128,9 @@ class RolloutEngine(Protocol):
         ...
 
     @classmethod
-    def served_dtype(cls, model_dir: str) -> str:
-        """The dtype it serves a model directory's weights in: what a broadcast casts them to on the way."""
+    def served_dtype(cls, model_dir: str, rollout: RolloutConfig) -> str:
+        """The dtype it serves a model directory's weights in (rollout.dtype; auto: the model's own, or the engine's
+        rule): what a push casts them to on the way."""
         ...
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...

@@ -38,7 +38,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from miles.checkpoint import unshared
+from miles.checkpoint import unshared, weights_dtype
 from miles.config import AdapterConfig, RolloutConfig, SGLangConfig
 from miles.engines.base import (
     EngineUnavailable,
@@ -67,7 +67,7 @@ class SGLangEngine:
         cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
     ) -> dict[str, Any]:
         args = {
-            **shared_launch_args(model_dir, weight_version, rollout),
+            **shared_launch_args(model_dir, weight_version, rollout, cls.served_dtype(model_dir, rollout)),
             "config": rollout.sglang,
             "timeout_s": rollout.engine_timeout_s,
         }
@@ -83,15 +83,15 @@ class SGLangEngine:
         return rollout.sglang.tp_size
 
     @classmethod
-    def served_dtype(cls, model_dir: str) -> str:
-        served = model_dtype(Path(model_dir))  # what --dtype launches it with
-        return "float32" if served == "auto" else served
+    def served_dtype(cls, model_dir: str, rollout: RolloutConfig) -> str:
+        return weights_dtype(Path(model_dir)) if rollout.dtype == "auto" else rollout.dtype
 
     def __init__(
         self,
         model_dir: str,
         weight_version: int = 0,
         device: str = "cuda",
+        dtype: str = "float32",
         config: SGLangConfig | None = None,
         timeout_s: float = 600.0,
         lora_rank: int | None = None,
@@ -129,9 +129,9 @@ class SGLangEngine:
             str(config.tp_size),
             "--weight-version",
             str(weight_version),
-            # SGLang's `auto` serves an fp32 checkpoint in fp16; the trainer's log-probs are in the model's dtype
+            # explicit: SGLang's `auto` serves an fp32 checkpoint in fp16
             "--dtype",
-            model_dtype(self.model_dir),
+            dtype,
         ]
         attention_backend = config.attention_backend or ("torch_native" if on_cpu else None)
         if attention_backend is not None:
@@ -456,13 +456,6 @@ def _sampling_params(request: GenerateRequest) -> dict:
         "skip_special_tokens": False,
         "sampling_seed": request.seed,
     }
-
-
-def model_dtype(model_dir: Path) -> str:
-    """The dtype of a model directory's weights, as its config.json names it (`dtype`, or the older `torch_dtype`);
-    "auto" when it names none."""
-    config = json.loads((model_dir / "config.json").read_text())
-    return config.get("dtype") or config.get("torch_dtype") or "auto"
 
 
 def _free_port() -> int:

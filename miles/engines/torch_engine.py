@@ -32,6 +32,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from miles.checkpoint import weights_dtype
 from miles.config import AdapterConfig, RolloutConfig
 from miles.engines.base import (
     GenerateRequest,
@@ -57,21 +58,25 @@ class TorchEngine:
     def launch_args(
         cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
     ) -> dict[str, Any]:
-        return {**shared_launch_args(model_dir, weight_version, rollout), "num_threads": rollout.num_threads}
+        dtype = cls.served_dtype(model_dir, rollout)
+        return {**shared_launch_args(model_dir, weight_version, rollout, dtype), "num_threads": rollout.num_threads}
 
     @classmethod
     def ranks(cls, rollout: RolloutConfig) -> int:
         return 1
 
     @classmethod
-    def served_dtype(cls, model_dir: str) -> str:
-        return "float32"  # it loads every model in fp32
+    def served_dtype(cls, model_dir: str, rollout: RolloutConfig) -> str:
+        if rollout.dtype == "auto":
+            return weights_dtype(Path(model_dir)) if rollout.device.startswith("cuda") else "float32"
+        return rollout.dtype
 
     def __init__(
         self,
         model_dir: str,
         weight_version: int = 0,
         device: str = "cpu",
+        dtype: str = "float32",
         num_threads: int | None = None,
         max_running_requests: int | None = None,
         pause_generation_mode: str = "retract",
@@ -83,7 +88,7 @@ class TorchEngine:
                 f"pause_generation_mode {pause_generation_mode!r}: a push keeps requests: retract or in_place"
             )
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.max_running_requests = max_running_requests
         self.pause_generation_mode = pause_generation_mode

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from datetime import timedelta
@@ -22,7 +23,7 @@ from miles.checkpoint import (
     save_optimizer,
     staging_dir,
     staging_path,
-    unshared,
+    weights_dtype,
 )
 from miles.cluster import free_address
 from miles.config import RunConfig
@@ -73,6 +74,9 @@ class TrainActor:
                 backend, init_method=f"tcp://{rendezvous}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
             )
         source = Path(checkpoint) / MODEL_DIR if checkpoint else Path(model_dir)
+        # The model's own dtype, which checkpoints and weight files keep; the trainer holds float32 master weights
+        # (saved with the optimizer state where the model's dtype is narrower).
+        self.weights_dtype = weights_dtype(source)
         self.model = self._load(source).train()
         self.tokenizer = AutoTokenizer.from_pretrained(source)
         self.pad_token_id = self.model.config.pad_token_id or 0
@@ -80,7 +84,7 @@ class TrainActor:
             self.model.parameters(), lr=train.lr, betas=train.adam_betas, weight_decay=train.weight_decay
         )
         if checkpoint:
-            load_optimizer(self.model, self.optimizer, Path(checkpoint))
+            load_optimizer(self.model, self.optimizer, Path(checkpoint))  # with the master weights, where saved
         self.ref_model = None
         if config.algo.needs_reference:
             # The reference is the run's starting policy, not the checkpoint it resumed from.
@@ -206,49 +210,56 @@ class TrainActor:
         """The servers have loaded the last payloads: their tensors can go."""
         self._payload_weights = []
 
-    def write_weights(self, directory: str) -> str:
-        """Write the full weights as a Hugging Face model directory an engine loads (rank 0; every rank gathers):
-        a safetensors file per bucket, their index, the config and the tokenizer. A directory already there is kept,
-        so a retried push never rewrites files an engine may be reading."""
+    def write_weights(self, directory: str, dtype: str | None = None) -> str:
+        """Write the full weights as a Hugging Face model directory an engine loads, in the `dtype` it serves (unset:
+        the model's own). A directory already there is kept, so a retried push never rewrites files an engine may be
+        reading."""
         target = Path(directory)
         if target.exists():
             return directory
         staging = staging_path(target)
-        specs = self.weight_bucket_specs()
+        self._write_model_dir(staging, dtype or self.weights_dtype)
+        if self.rank == 0:
+            staging.rename(target)
+        return directory
+
+    def _write_model_dir(self, directory: Path, dtype: str) -> None:
+        """The full weights cast to `dtype` as a Hugging Face model directory (rank 0 writes; every rank gathers): a
+        safetensors file per bucket, their index, the config (saying `dtype`), the generation config and the
+        tokenizer. Tied weights are written once, as the model declares them."""
+        specs = self.weight_bucket_specs(dtype)
         weight_map: dict[str, str] = {}
         for index, bucket in enumerate(full_tensor_buckets(self.model, self._bucket_bytes, copy=False)):
             if self.rank != 0:
                 continue
-            staging.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(parents=True, exist_ok=True)
             name = f"model-{index + 1:05d}-of-{len(specs):05d}.safetensors"
-            save_file(unshared(bucket), staging / name, metadata={"format": "pt"})
+            cast = {key: tensor.to(getattr(torch, dtype)).contiguous() for key, tensor in bucket.items()}
+            save_file(cast, directory / name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(bucket, name))
-        if self.rank == 0:
-            total = sum(
-                torch.Size(shape).numel() * getattr(torch, dtype).itemsize for b in specs for _, dtype, shape in b
-            )
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-            self.model.config.save_pretrained(staging)
-            if self.model.generation_config is not None:
-                self.model.generation_config.save_pretrained(staging)
-            self.tokenizer.save_pretrained(staging)
-            staging.rename(target)
-        return directory
+        if self.rank != 0:
+            return
+        total = sum(torch.Size(shape).numel() * getattr(torch, kind).itemsize for b in specs for _, kind, shape in b)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config = copy.deepcopy(self.model.config)
+        config.dtype = dtype
+        config.save_pretrained(directory)
+        if self.model.generation_config is not None:
+            self.model.generation_config.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
 
     def save_checkpoint(self, rollout_id: int, state: dict[str, Any]) -> str:
-        """Write the run's checkpoint of `rollout_id`: the model in HF format (full weights, written by rank 0), the
-        optimizer (each rank its shard), the state; a retried save keeps the checkpoint already there."""
+        """Write the run's checkpoint of `rollout_id`: the model in HF format in its own dtype (full weights, written
+        by rank 0), the optimizer (each rank its shard, with the float32 master weights when the model's dtype is
+        narrower), the state; a retried save keeps the checkpoint already there."""
         target = self.run_dir.checkpoint(rollout_id)
         if target.exists():
             return str(target)
         staging = staging_dir(target) if self.rank == 0 else staging_path(target)
         self._barrier()  # the other ranks write into the staging dir rank 0 has just made
-        weights = self.weights()
-        if self.rank == 0:
-            self.model.save_pretrained(staging / MODEL_DIR, state_dict=weights)
-            self.tokenizer.save_pretrained(staging / MODEL_DIR)
-        save_optimizer(self.model, self.optimizer, staging)
+        self._write_model_dir(staging / MODEL_DIR, self.weights_dtype)
+        save_optimizer(self.model, self.optimizer, staging, master_weights=self.weights_dtype != "float32")
         self._barrier()  # every rank's shard is written before rank 0 takes the checksums
         if self.rank == 0:
             commit_checkpoint(staging, target, rollout_id, state)

@@ -58,14 +58,20 @@ def bucket_specs(model: torch.nn.Module, bucket_bytes: int, dtype: str | None = 
 
 
 def _buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The state dict's tensors in buckets; a tensor the model ties to an earlier one (tied word embeddings) is left
+    out, as the model declares the tie and every loader restores it."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, value in model.state_dict().items():
+    seen: set[int] = set()
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
         nbytes = value.numel() * value.element_size()  # a DTensor's numel is the full tensor's
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, value))
+        bucket.append((name, value.detach()))
         size += nbytes
     if bucket:
         yield bucket

@@ -353,3 +353,20 @@ def test_the_launch_settings_are_the_fields_that_choose_programs():
         "rollout.sglang.server_module": "sglang.launch_server",
         "rollout.sglang.extra_args": [],
     }
+
+
+def test_a_built_in_task_takes_the_embedded_preset_and_own_data_the_fields_defaults():
+    embedded = load_config(None)
+    assert (embedded.train.lr, embedded.train.adam_betas, embedded.rollout.max_new_tokens) == (5e-4, (0.9, 0.98), 4)
+    assert embedded.train.max_tokens_per_micro_batch is None
+    own = load_config(None, ["data.task=null", "data.path=prompts.jsonl"])
+    assert (own.train.lr, own.train.adam_betas, own.rollout.max_new_tokens) == (1e-6, (0.9, 0.999), 1024)
+    assert own.train.max_tokens_per_micro_batch == 8192
+
+
+def test_a_value_set_wins_over_the_preset_and_survives_a_round_trip():
+    config = load_config(
+        None, ["data.task=null", "data.path=prompts.jsonl", "train.lr=3e-6", "rollout.max_new_tokens=512"]
+    )
+    assert (config.train.lr, config.rollout.max_new_tokens, config.train.adam_betas) == (3e-6, 512, (0.9, 0.999))
+    assert RunConfig.model_validate(config.model_dump()) == config

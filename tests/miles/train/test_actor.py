@@ -1,5 +1,8 @@
 """TrainActor in-process (no Ray): options of the update and gradient accumulation."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -118,6 +121,65 @@ def test_a_broadcast_goes_in_the_dtype_the_engines_serve(small_config, tiny_mode
     monkeypatch.setattr(actor._weight_group, "of", lambda group, rank: "the weight-update group")
     monkeypatch.setattr(actor_module, "send_bucket", lambda group, tensors, load_format: sent.extend(tensors))
     assert actor.broadcast_weights(new_group(), FLATTENED, "bfloat16") is None
-    weights = actor.model.state_dict()
+    weights = actor.weights()  # the tied output head is sent once, as the embedding
     assert len(sent) == len(weights) and all(t.dtype == torch.bfloat16 for t in sent)
     assert all(torch.equal(t, w.bfloat16()) for t, w in zip(sent, weights.values(), strict=True))
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(tiny_model_dir, tmp_path_factory):
+    """The embedded model stored in bfloat16, as pretrained models ship (its embedding and output head tied)."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path_factory.mktemp("bf16") / "model"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(directory)
+    return directory
+
+
+def _stored(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_a_checkpoint_keeps_the_models_dtype_and_resumes_from_float32_master_weights(
+    small_config, bf16_model_dir, tmp_path, rollout
+):
+    """A bf16 model's checkpoint is bf16 (half the bytes of the trainer's fp32 weights, config.json says so, the tied
+    head stored once); the trainer's fp32 master weights are in the optimizer's shards, and a trainer resumed from
+    the checkpoint holds them exactly and steps on exactly as the one that saved it."""
+    from miles.checkpoint import MODEL_DIR
+
+    RunDir(tmp_path).create()
+    config = small_config(run_dir=str(tmp_path))
+    saver = TrainActor(config, str(bf16_model_dir))
+    assert all(p.dtype == torch.float32 for p in saver.model.parameters())
+    saver.train(0, rollout)
+    checkpoint = Path(saver.save_checkpoint(0, {}))
+
+    stored = _stored(checkpoint / MODEL_DIR)
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored
+    assert json.loads((checkpoint / MODEL_DIR / "config.json").read_text())["dtype"] == "bfloat16"
+    master = saver.weights()
+    assert set(stored) == set(master)
+    assert all(torch.equal(stored[name], value.bfloat16()) for name, value in master.items())
+    assert any(not torch.equal(value, value.bfloat16().float()) for value in master.values())  # bf16 alone loses bits
+
+    resumed = TrainActor(config, str(bf16_model_dir), checkpoint=str(checkpoint))
+    assert all(torch.equal(resumed.weights()[name], value) for name, value in master.items())
+    saver.trained.clear()
+    saver.train(1, rollout)
+    resumed.train(1, rollout)
+    assert all(torch.equal(resumed.weights()[name], value) for name, value in saver.weights().items())
+
+
+def test_weight_files_are_written_in_the_dtype_the_engines_serve(small_config, bf16_model_dir, tmp_path):
+    RunDir(tmp_path).create()
+    actor = TrainActor(small_config(run_dir=str(tmp_path)), str(bf16_model_dir))
+    own = _stored(Path(actor.write_weights(str(tmp_path / "own"))))
+    assert {t.dtype for t in own.values()} == {torch.bfloat16}
+    written = Path(actor.write_weights(str(tmp_path / "fp32"), "float32"))
+    assert {t.dtype for t in _stored(written).values()} == {torch.float32}
+    assert json.loads((written / "config.json").read_text())["dtype"] == "float32"
