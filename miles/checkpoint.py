@@ -185,6 +185,18 @@ def weights_dtype(model_dir: Path) -> str:
     return config.get("dtype") or config.get("torch_dtype") or "float32"
 
 
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """The state dict's names of tensors the model ties to an earlier name (an output head tied to the embedding):
+    stored and pushed once, under the earlier name, as the model declares the tie and every loader restores it."""
+    seen: set[int] = set()
+    tied = set()
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:
+            tied.add(name)
+        seen.add(id(value))
+    return tied
+
+
 def unshared(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors that share memory (tied embeddings): each gets its own contiguous copy if needed."""
     seen: set[int] = set()

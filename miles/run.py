@@ -52,6 +52,13 @@ def check_inputs(config: RunConfig) -> PolicyInputs:
     everything that can reject the input, before any work."""
     if config.model.path is None and config.data.task is None:
         raise ConfigError("model.path: the embedded model is built for a built-in task; set data.task or model.path")
+    if config.rollout.top_p < 1:
+        log.warning(
+            "rollout.top_p=%s: the engines sample from the top-p truncated distribution but report each token's "
+            "log-prob under the whole one, as the trainer computes it; off-policy corrections (TIS) and the ratio "
+            "do not see the truncation",
+            config.rollout.top_p,
+        )
     try:
         Algorithm.from_config(config.algo)
         weight_transport(config.rollout, config.train)

@@ -32,6 +32,18 @@ def tiny_model_dir(model_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bf16_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The embedded model stored in bfloat16, as pretrained models ship (its embedding and output head tied)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("bf16") / "model"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def tool_model_dir(model_cache) -> Path:
     """The embedded model of the sums task, with the calculator's tokens, warmed up as its shipped config does."""
     from miles.config import ModelConfig, WarmupConfig

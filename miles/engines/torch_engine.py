@@ -32,7 +32,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from miles.checkpoint import weights_dtype
+from miles.checkpoint import tied_names, weights_dtype
 from miles.config import AdapterConfig, RolloutConfig
 from miles.engines.base import (
     GenerateRequest,
@@ -175,7 +175,13 @@ class TorchEngine:
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
         with self.paused(self.pause_generation_mode):
-            self.model.load_state_dict(named_tensors, strict=True)
+            loaded = self.model.load_state_dict(named_tensors, strict=False)
+            missing = set(loaded.missing_keys) - tied_names(self.model)
+            if missing or loaded.unexpected_keys:
+                raise RuntimeError(
+                    f"pushed weights do not fit the model: missing {sorted(missing)}, "
+                    f"unexpected {sorted(loaded.unexpected_keys)}"
+                )
             self._weight_version = version
 
     def update_weights_from_disk(self, directory: str, version: int) -> None:

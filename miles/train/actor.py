@@ -225,23 +225,27 @@ class TrainActor:
 
     def _write_model_dir(self, directory: Path, dtype: str) -> None:
         """The full weights cast to `dtype` as a Hugging Face model directory (rank 0 writes; every rank gathers): a
-        safetensors file per bucket, their index, the config (saying `dtype`), the generation config and the
-        tokenizer. Tied weights are written once, as the model declares them."""
+        safetensors file per bucket (indexed when there are several), the config (saying `dtype`), the generation
+        config and the tokenizer. Tied weights are written once, as the model declares them."""
         specs = self.weight_bucket_specs(dtype)
         weight_map: dict[str, str] = {}
         for index, bucket in enumerate(full_tensor_buckets(self.model, self._bucket_bytes, copy=False)):
             if self.rank != 0:
                 continue
             directory.mkdir(parents=True, exist_ok=True)
-            name = f"model-{index + 1:05d}-of-{len(specs):05d}.safetensors"
+            # Hugging Face's names: one file is model.safetensors, several are numbered and indexed
+            name = "model.safetensors" if len(specs) == 1 else f"model-{index + 1:05d}-of-{len(specs):05d}.safetensors"
             cast = {key: tensor.to(getattr(torch, dtype)).contiguous() for key, tensor in bucket.items()}
             save_file(cast, directory / name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(bucket, name))
         if self.rank != 0:
             return
-        total = sum(torch.Size(shape).numel() * getattr(torch, kind).itemsize for b in specs for _, kind, shape in b)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if len(specs) > 1:
+            total = sum(
+                torch.Size(shape).numel() * getattr(torch, kind).itemsize for b in specs for _, kind, shape in b
+            )
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         config = copy.deepcopy(self.model.config)
         config.dtype = dtype
         config.save_pretrained(directory)

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
+from miles.checkpoint import tied_names
 from miles.weight_group import TensorSpec, tensor_specs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -58,15 +59,13 @@ def bucket_specs(model: torch.nn.Module, bucket_bytes: int, dtype: str | None = 
 
 
 def _buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The state dict's tensors in buckets; a tensor the model ties to an earlier one (tied word embeddings) is left
-    out, as the model declares the tie and every loader restores it."""
+    """The state dict's tensors in buckets, less those tied to an earlier one (`tied_names`)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    seen: set[int] = set()
+    tied = tied_names(model)
     for name, value in model.state_dict(keep_vars=True).items():
-        if id(value) in seen:
+        if name in tied:
             continue
-        seen.add(id(value))
         nbytes = value.numel() * value.element_size()  # a DTensor's numel is the full tensor's
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

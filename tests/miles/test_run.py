@@ -1,6 +1,7 @@
 """The library without Prefect: the plain loop, resume from the run dir, idempotent train."""
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -15,10 +16,10 @@ from transformers import AutoTokenizer
 
 from miles import schedules
 from miles.checkpoint import latest_checkpoint, read_state
-from miles.config import ConfigError
+from miles.config import ConfigError, load_config
 from miles.loop import plain_steps, run_sync
 from miles.rollout.schema import ROLLOUT_SCHEMA
-from miles.run import RLRun
+from miles.run import RLRun, check_inputs
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
@@ -85,6 +86,7 @@ def test_chat_messages_reach_the_engine_through_the_models_chat_template(
     )
     config = small_config(
         "data.task=null",
+        "rollout.max_new_tokens=4",  # own data takes the real-model preset's 1024 otherwise
         f"data.path={data}",
         "data.prompt_key=messages",
         f"model.path={model}",
@@ -250,7 +252,9 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(small_config
 def test_prompt_longer_than_the_context_is_refused_before_any_work(small_config, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+2=", "label": "3"}\n' + json.dumps({"prompt": "1+" * 40 + "=", "label": "x"}) + "\n")
-    config = small_config("data.task=null", f"data.path={data}", run_dir=str(tmp_path / "never"))
+    config = small_config(
+        "data.task=null", f"data.path={data}", "rollout.max_new_tokens=4", run_dir=str(tmp_path / "never")
+    )
     with pytest.raises(ConfigError, match=rf"{data}: row 2: the prompt is \d+ tokens; with rollout.max_new_tokens=4"):
         RLRun(config)
     assert not (tmp_path / "never" / "rollouts").exists()
@@ -269,7 +273,9 @@ def test_samples_whose_reward_fails_are_counted_and_the_run_goes_on(small_config
     rows += [{"prompt": "5+5=", "label": "raise"}, {"prompt": "9+1=", "label": "nan"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     reward = "tests.miles.rollout.rewards_for_tests:fails_on_some_labels"
-    config = small_config("data.task=null", f"data.path={data}", f"data.reward={reward}", num_rollout=2)
+    config = small_config(
+        "data.task=null", f"data.path={data}", "rollout.max_new_tokens=4", f"data.reward={reward}", num_rollout=2
+    )
 
     with caplog.at_level("WARNING", logger="miles"):
         records = run_sync(config)  # each rollout holds all 8 prompts: 2 of them, x 4 samples, fail
@@ -373,3 +379,12 @@ def test_an_eval_data_set_that_cannot_be_read_is_refused_before_any_work(small_c
     with pytest.raises(ConfigError, match=rf"eval.datasets.0 \(held-out\): .*{missing}"):
         RLRun(config)
     assert not (tmp_path / "never" / "rollouts").exists()
+
+
+def test_top_p_below_one_is_warned_about(caplog):
+    """The engines' log-probs are of the untruncated distribution: a run that truncates it is told so."""
+    with caplog.at_level(logging.WARNING, logger="miles.run"):
+        check_inputs(load_config(None, ["rollout.top_p=1.0"]))
+        assert not caplog.records
+        check_inputs(load_config(None, ["rollout.top_p=0.9"]))
+    assert "rollout.top_p=0.9" in caplog.text and "truncat" in caplog.text

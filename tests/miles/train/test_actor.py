@@ -126,17 +126,6 @@ def test_a_broadcast_goes_in_the_dtype_the_engines_serve(small_config, tiny_mode
     assert all(torch.equal(t, w.bfloat16()) for t, w in zip(sent, weights.values(), strict=True))
 
 
-@pytest.fixture(scope="module")
-def bf16_model_dir(tiny_model_dir, tmp_path_factory):
-    """The embedded model stored in bfloat16, as pretrained models ship (its embedding and output head tied)."""
-    from transformers import AutoModelForCausalLM
-
-    directory = tmp_path_factory.mktemp("bf16") / "model"
-    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(directory)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(directory)
-    return directory
-
-
 def _stored(directory) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -81,6 +81,25 @@ def test_two_sharded_workers_equal_one_unsharded(ray_session, small_config, tiny
         assert m_sharded[key] == pytest.approx(m_single[key], rel=1e-4, abs=1e-6), key
 
 
+def test_a_sharded_bf16_models_checkpoint_resumes_unsharded_from_its_master_weights(
+    ray_session, small_config, bf16_model_dir, tmp_path, rollout
+):
+    """Two FSDP2 workers save a bf16 model's checkpoint (each its shard of the fp32 master weights, beside the Adam
+    state); one unsharded worker resumes from it holding exactly the weights the group held."""
+    config = small_config("rollout.rollout_batch_size=12", "train.num_workers=2", run_dir=str(tmp_path))
+    RunDir(config.run_dir).create()
+    trainers = start_trainer_group(config, bf16_model_dir, None)
+    try:
+        trainers.call(TrainActor.train, 0, rollout)
+        held = trainers.call(TrainActor.weights)
+        checkpoint = trainers.call(TrainActor.save_checkpoint, 0, {})
+    finally:
+        trainers.kill()
+    resumed = TrainActor(small_config(run_dir=str(tmp_path)), str(bf16_model_dir), checkpoint=checkpoint)
+    assert max_abs_diff(resumed.weights(), held) == 0.0
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in held.values())  # more than the bf16 files hold
+
+
 def test_bfloat16_compute_keeps_float32_weights_and_reports_the_logprob_gap(
     ray_session, small_config, tiny_model_dir, tmp_path, rollout
 ):
