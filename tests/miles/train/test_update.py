@@ -211,3 +211,43 @@ def test_environment_tokens_leave_the_loss_and_the_gradient_alone(tiny_model_dir
         assert all(torch.equal(grads[name], other[name]) for name in grads)
     changed_loss, changed = gradient("34+5=977", [1, 0, 0, 0, 0, 1, 1, 0], env_logprob=0.0)
     assert changed_loss != loss and any(not torch.equal(grads[n], changed[n]) for n in grads)
+
+
+def _llama_with(attention_dropout: float):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=20,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        attention_dropout=attention_dropout,
+    )
+    return LlamaForCausalLM(config).train()
+
+
+def test_old_and_reference_logprobs_come_from_an_eval_forward():
+    """A model with dropout: batch_logprobs is the eval-mode forward (the same twice, though the model trains), and
+    leaves the model in the mode it found it in; the old policy of every row then comes from it."""
+    from miles.train.batch import TrainBatch
+    from miles.train.update import batch_logprobs, dropout_active, policy_logprobs
+
+    model = _llama_with(attention_dropout=0.5)
+    assert dropout_active(model) and not dropout_active(_llama_with(attention_dropout=0.0))
+    tokens = torch.randint(20, (4, 12), generator=torch.Generator().manual_seed(0))
+    ones = torch.ones_like(tokens)
+    batch = TrainBatch(tokens, ones, ones.bool(), torch.zeros(4, 12), torch.zeros(4))
+    config = load_config(None, ["algo.use_rollout_logprobs=true"])
+    first, second = (batch_logprobs(model, batch, config, torch.device("cpu")) for _ in range(2))
+    assert model.training and torch.equal(first, second)
+    with torch.no_grad():
+        model.eval()
+        expected = torch.log_softmax(model(input_ids=tokens).logits[:, :-1], dim=-1)
+        model.train()
+    torch.testing.assert_close(first[:, 1:], expected.gather(-1, tokens[:, 1:, None]).squeeze(-1))
+    # the first global batch's old log-probs are not taken from its (dropped-out) training forward
+    logprobs = policy_logprobs(model, batch, 2, config, torch.device("cpu"), None)
+    assert not logprobs.old_from_training and torch.equal(logprobs.old, first)
