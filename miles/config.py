@@ -439,7 +439,11 @@ class TrainConfig(_Section):
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="compute dtype of the sharded model; gradients are reduced and stepped in float32"
     )
-    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward")
+    gradient_checkpointing: bool | None = Field(
+        None,
+        description="recompute each layer's activations in the backward; unset: the preset's (off on a built-in "
+        "task, on for own data)",
+    )
     weight_bucket_mb: float = Field(
         512.0, gt=0, description="full tensors gathered at a time when weights leave a sharded trainer"
     )
@@ -520,12 +524,14 @@ EMBEDDED_TASK_PRESET: dict[tuple[str, str], Any] = {
     ("rollout", "max_new_tokens"): 4,
     ("train", "lr"): 5e-4,
     ("train", "adam_betas"): (0.9, 0.98),
+    ("train", "gradient_checkpointing"): False,
 }
 OWN_DATA_PRESET: dict[tuple[str, str], Any] = {
     ("rollout", "max_new_tokens"): 1024,
     ("train", "lr"): 1e-6,
     ("train", "adam_betas"): (0.9, 0.999),
     ("train", "max_tokens_per_micro_batch"): 8192,
+    ("train", "gradient_checkpointing"): True,
 }
 
 
@@ -590,17 +596,6 @@ class RunConfig(_Section):
             raise ValueError(
                 f"train.num_workers ({self.train.num_workers}) must divide "
                 f"train.global_batch_size ({self.train.global_batch_size})"
-            )
-        if self.train.global_batch_size % self.train.micro_batch_size:
-            raise ValueError(
-                f"train.micro_batch_size ({self.train.micro_batch_size}) must divide "
-                f"train.global_batch_size ({self.train.global_batch_size})"
-            )
-        per_worker = self.train.global_batch_size // self.train.num_workers
-        if per_worker % min(self.train.micro_batch_size, per_worker):
-            raise ValueError(
-                f"train.micro_batch_size ({self.train.micro_batch_size}) must divide each worker's share of "
-                f"train.global_batch_size ({per_worker} = {self.train.global_batch_size} / train.num_workers)"
             )
         if (
             self.rollout.weight_transport == "distributed"

@@ -49,11 +49,12 @@ def _actor(small_config, tiny_model_dir, tmp_path, *overrides):
     "split_by",
     [
         ["train.micro_batch_size=4"],
+        ["train.micro_batch_size=5"],  # 5, 5, 5 and 1
         # 2 to 3 samples of about 9 tokens per micro-batch, as their lengths allow
         ["train.micro_batch_size=16", "train.max_tokens_per_micro_batch=24"],
         ["train.micro_batch_size=16", "train.max_tokens_per_micro_batch=1"],  # one sample each
     ],
-    ids=["by_count", "by_tokens", "one_each"],
+    ids=["by_count", "uneven", "by_tokens", "one_each"],
 )
 def test_micro_batches_accumulate_to_the_full_batch_update(
     small_config, tiny_model_dir, tmp_path, rollout, algorithm, split_by
