@@ -37,14 +37,27 @@ def check_prompt_lengths(
     budget_field: str = "rollout.max_new_tokens",
 ) -> None:
     """Raise for the first row whose prompt (as the model is given it) leaves no room for max_new_tokens (the value of
-    `budget_field`) within the model's context."""
-    lengths = [len(ids) for ids in prompts.encode([r["prompt"] for r in rows])[1]]
-    for index, length in enumerate(lengths, start=1):
-        if length + max_new_tokens > context:
-            raise ValueError(
-                f"{source}: row {index}: the prompt is {length} tokens; with {budget_field}={max_new_tokens} "
-                f"it exceeds the model's context of {context} tokens (max_position_embeddings)"
-            )
+    `budget_field`) within the model's context.
+
+    A prompt is at least its characters / the longest token's characters tokens long: one longer than the context
+    allows by that count alone is refused without tokenizing it (a 50 MB line took minutes and gigabytes)."""
+    longest_token = max(map(len, prompts.tokenizer.get_vocab()))
+    room = context - max_new_tokens
+    characters = [len(prompts.text(r["prompt"])) for r in rows]
+    to_tokenize = [i for i, n in enumerate(characters) if n <= room * longest_token]
+    tokens = dict(zip(to_tokenize, map(len, prompts.encode([rows[i]["prompt"] for i in to_tokenize])[1]), strict=True))
+    for index in range(len(rows)):
+        if index not in tokens:
+            at_least = -(-characters[index] // longest_token)
+            length = f"{characters[index]:,} characters, so at least {at_least:,} tokens"
+        elif tokens[index] > room:
+            length = f"{tokens[index]} tokens"
+        else:
+            continue
+        raise ValueError(
+            f"{source}: row {index + 1}: the prompt is {length}; with {budget_field}={max_new_tokens} "
+            f"it exceeds the model's context of {context} tokens (max_position_embeddings)"
+        )
 
 
 def _read_records(spec: str, split: str | None, columns: list[str]) -> tuple[str, list]:

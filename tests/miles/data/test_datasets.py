@@ -271,3 +271,31 @@ def test_parquet_shards_by_split_in_a_directory_or_a_glob(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no .parquet files"):
         load_rows(_config(tmp_path / "empty"))
+
+
+def test_a_huge_prompt_is_refused_without_being_tokenized(tmp_path, tokenizer):
+    """A 5 MB line exceeds the context by its characters alone: it is named, and only the short rows reach the
+    tokenizer."""
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"question": "1+1="}, {"question": "1" * 5_000_000}])
+    rows = load_rows(_config(path, label_key=None))
+    tokenized: list[str] = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, texts, **kwargs):
+            tokenized.extend(texts)
+            return tokenizer(texts, **kwargs)
+
+    longest_token = max(map(len, tokenizer.get_vocab()))
+    with pytest.raises(ValueError) as info:
+        check_prompt_lengths(
+            rows, PromptFormatter(Recording(), DataConfig()), max_new_tokens=4, context=32, source=str(path)
+        )
+    at_least = -(-5_000_000 // longest_token)
+    assert str(info.value) == (
+        f"{path}: row 2: the prompt is 5,000,000 characters, so at least {at_least:,} tokens; with "
+        "rollout.max_new_tokens=4 it exceeds the model's context of 32 tokens (max_position_embeddings)"
+    )
+    assert tokenized == ["1+1="]
