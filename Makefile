@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
-.PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python run run-gpu test ui server server-postgres
+.PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python gpu-wheels gpu-check-dry-run run run-gpu test ui server \
+	server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -49,6 +50,21 @@ print-sglang-cpu-python:
 run-gpu: install-gpu
 	$(VENV)/bin/miles run sync --set rollout.engine=sglang --set rollout.sglang.python=$(CURDIR)/$(SGLANG_VENV)/bin/python \
 		--set rollout.device=cuda --set train.device=cuda --set rollout.sglang.mem_fraction_static=0.5
+
+# The GPU machine reaches no package registry: the wheels scripts/gpu_check.py needs beyond what it has, for its
+# CPython 3.12, into .whl/ (carried to it with the working tree; scripts/gpu_check.sh installs them there).
+gpu-wheels:
+	rm -rf .whl
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl -r requirements/gpu-wheels.txt
+	du -sh .whl
+
+# scripts/gpu_check.py --dry-run with the wheels installed as on the GPU machine, in DRY_RUN_PYTHON: a Python with
+# that machine's torch and transformers (README, "The GPU check"), built by hand once, not by this target.
+DRY_RUN_PYTHON ?= $(HOME)/.cache/miles-flow/gpu-dry-run-312/bin/python
+gpu-check-dry-run: gpu-wheels
+	PY=$(DRY_RUN_PYTHON) bash scripts/gpu_check.sh --dry-run
 
 # Lint and format checks first: a failing one stops the run before the slow tests.
 test: install install-sglang-cpu

@@ -7,7 +7,13 @@
 3. Throughput of a larger random Llama: engine tokens/s (batch x new tokens, no stop) and trainer tokens/s.
 4. The tensor transport's payload (miles.tensor_payload): CUDA tensors sent as IPC handles are opened by another
    process, as an SGLang server on the same GPU opens them, and hold the sender's values.
+5. A model of a pretrained model's size (Qwen2.5-0.5B's shape and vocabulary, random weights stored in bf16): the
+   TorchEngine serving it in bf16, the trainer as one FSDP2 rank computing in bf16 (token-budget micro-batches,
+   log-probs in chunks, activation checkpointing), the trainer-vs-engine log-prob gap, engine and trainer tokens/s,
+   and the fraction of the measured bf16 matmul peak the trainer reaches (6 x parameters x tokens per step).
 
+It needs no Ray and no Prefect (scripts/gpu_check.sh installs the few wheels the GPU machine lacks); `--dry-run`
+runs every check on the CPU at small sizes, to show that it starts with that machine's torch and transformers.
 Prints one line per check; exits non-zero when a check fails.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +44,15 @@ from miles.train.update import batch_logprobs
 from tests.helpers.samples import completions_table
 
 DEVICE = "cuda"
+# Qwen2.5-0.5B's shape (494M parameters with its 151,936-token vocabulary and tied embeddings).
+QWEN2_5_0_5B_SHAPE = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+)
 
 
 def _synchronize() -> None:
@@ -193,6 +209,95 @@ def check_throughput(root: Path, tokenizer, hidden: int, layers: int, batch: int
     )
 
 
+def _bf16_peak_tflops() -> float:
+    """The bf16 matmul rate this device reaches on a large square product (what the trainer's fraction is of)."""
+    size = 8192 if DEVICE == "cuda" else 512
+    a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
+    a @ a
+    _synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    _synchronize()
+    return 10 * 2 * size**3 / (time.perf_counter() - started) / 1e12
+
+
+def check_real_size(root: Path, tokenizer, shape: dict, batch: int, new_tokens: int) -> bool:
+    """A model of a pretrained model's size and vocabulary (random weights, stored in bf16): the TorchEngine serving
+    it in bf16 (rollout.dtype), the trainer as one FSDP2 rank computing in bf16 with its fp32 master weights, the
+    trainer-vs-engine log-prob gap, throughput and the fraction of the bf16 peak the trainer's matmuls reach."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **shape, max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    parameters = sum(p.numel() for p in model.parameters())
+    model_dir = root / "real-size"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    del model
+    engine = TorchEngine(str(model_dir), device=DEVICE, dtype="bfloat16")
+    _, requests = _requests(tokenizer, batch, 8, new_tokens, stop=False)
+    engine.generate(requests[:8])
+    _synchronize()
+    started = time.perf_counter()
+    results = engine.generate(requests)
+    _synchronize()
+    seconds = time.perf_counter() - started
+    print(
+        f"real size: {parameters / 1e6:.0f}M-parameter Llama, vocab {shape['vocab_size']}, bf16 engine, batch {batch} x "
+        f"{new_tokens} new tokens: {sum(len(r.output_ids) for r in results) / seconds:,.0f} tokens/s ({seconds:.2f} s)"
+    )
+    del engine
+    run_config = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            f"rollout.rollout_batch_size={batch // 8}",
+            f"train.global_batch_size={batch}",
+            f"train.device={DEVICE}",
+            "train.sharding=fsdp",
+            "train.param_dtype=bfloat16",
+            "train.gradient_checkpointing=true",
+            "train.max_tokens_per_micro_batch=16384",
+        ],
+        run_dir=str(root / "real-size-run"),
+    )
+    Path(run_config.run_dir).mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        rendezvous = f"127.0.0.1:{probe.getsockname()[1]}"
+    trainer = TrainActor(run_config, str(model_dir), rank=0, world_size=1, rendezvous=rendezvous)
+    table = _table(requests, results, [float(i % 3) for i in range(batch)], 8)
+    batch_tensors = batch_from_table(table, 0)
+    mask = batch_tensors.response_mask
+    gap = (
+        batch_logprobs(trainer.model, batch_tensors, run_config, torch.device(DEVICE)).cpu()
+        - batch_tensors.rollout_logprobs
+    )[mask].abs()
+    trainer.train(0, table)  # warm-up: AdamW's state
+    _synchronize()
+    started = time.perf_counter()
+    metrics = trainer.train(1, table)
+    _synchronize()
+    seconds = time.perf_counter() - started
+    tokens = int(batch_tensors.attention_mask.sum())
+    achieved = 6 * parameters * tokens / seconds / 1e12  # forward and backward of every token, recompute not counted
+    peak = _bf16_peak_tflops()
+    ok = bool(torch.isfinite(torch.tensor(metrics["loss"])) and gap.mean() < 0.05)
+    print(
+        f"real size: one FSDP2 rank in bf16, engine-vs-trainer log-prob gap mean {gap.mean():.2e} max {gap.max():.2e}; "
+        f"loss {metrics['loss']:.4f}; {tokens / seconds:,.0f} trainer tokens/s ({seconds:.2f} s per step); "
+        f"{achieved:.1f} TFLOP/s = {achieved / peak:.1%} of the measured bf16 peak {peak:.0f} TFLOP/s"
+    )
+    trainer.model = None
+    torch.distributed.destroy_process_group()
+    return ok
+
+
 # The receiving side, as SGLang's server does it: the device arrives as a UUID, mapped back to this process's index.
 _OPEN_PAYLOAD = """
 import base64, pickle, sys, torch
@@ -236,10 +341,18 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--device", default="cuda", help="cpu runs the same checks without a GPU (a dry run)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every check on the CPU at small sizes: the script starts, imports and runs up to the first CUDA call",
+    )
     args = parser.parse_args()
     global DEVICE
-    DEVICE = args.device
+    DEVICE = "cpu" if args.dry_run else "cuda"
+    real_shape = dict(QWEN2_5_0_5B_SHAPE)
+    if args.dry_run:
+        args.hidden, args.layers, args.batch, args.new_tokens = 128, 2, 16, 8
+        real_shape.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 1
@@ -249,8 +362,10 @@ def main() -> int:
         root = Path(tmp)
         ok = check_full_model(root, tokenizer)
         ok &= check_multi_lora(root, tokenizer)
-        ok &= check_tensor_payload()
+        if DEVICE == "cuda":  # CUDA IPC handles exist on a GPU only
+            ok &= check_tensor_payload()
         check_throughput(root, tokenizer, args.hidden, args.layers, args.batch, args.new_tokens)
+        ok &= check_real_size(root, tokenizer, real_shape, min(args.batch, 64), 128 if DEVICE == "cuda" else 8)
     print("gpu check: " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
 

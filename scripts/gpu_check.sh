@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU: the engine and trainers on CUDA (correctness and throughput), then, where Ray and
-# Prefect are installed, the sync flow for a few iterations with the TorchEngine and trainer on the GPU (the trainer
-# unsharded in float32, then FSDP2 in bfloat16, with the trainer-vs-engine log-prob gap, then with weights broadcast
-# over NCCL where there are two GPUs), and with SGLang serving the rollouts, its weights mapped through CUDA IPC, where SGLANG_PYTHON (default
-# .venv-sglang/bin/python, `make install-gpu`) has it.
-# Under 5 minutes.
+# On a machine with a CUDA GPU: the engine and trainers on CUDA (scripts/gpu_check.py: correctness, a model of a
+# pretrained model's size in bf16, throughput), in one process, with no Ray and no Prefect; the wheels it needs
+# beyond the machine's own packages come from .whl/ (`make gpu-wheels`), installed with no package index. Then, where
+# Ray and Prefect are installed, the sync flow for a few iterations with the TorchEngine and trainer on the GPU (the
+# trainer unsharded in float32, then FSDP2 in bfloat16, with the trainer-vs-engine log-prob gap, then with weights
+# broadcast over NCCL where there are two GPUs), and with SGLang serving the rollouts, its weights mapped through
+# CUDA IPC, where SGLANG_PYTHON (default .venv-sglang/bin/python, `make install-gpu`) has it.
+# `--dry-run` runs gpu_check.py on the CPU at small sizes and stops there. Under 10 minutes on one H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  site=$(mktemp -d)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 "$PY" scripts/gpu_check.py "$@"
-if ! "$PY" -c "import ray, prefect" 2>/dev/null; then
-  echo "ray or prefect not installed: the flow runs are skipped"
+if [[ " $* " == *" --dry-run "* ]] || ! "$PY" -c "import ray, prefect" 2>/dev/null; then
+  echo "the flow runs are skipped (a dry run, or no Ray or Prefect here)"
   exit 0
 fi
-
 flow_run() {  # flow_run <engine> [--set ...]: 10 rollouts of 512 samples, then generation and training throughput
   local engine=$1 run_dir started
   shift

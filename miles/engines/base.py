@@ -39,6 +39,25 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class GenerationProgress:
+    """An engine's counters since it started, of finished requests and the tokens they generated, as SGLang counts
+    them (`sglang:num_requests_total`, `sglang:generation_tokens_total`): polled while a long batch runs."""
+
+    requests_finished: int = 0
+    tokens_generated: int = 0
+
+    def __add__(self, other: GenerationProgress) -> GenerationProgress:
+        return GenerationProgress(
+            self.requests_finished + other.requests_finished, self.tokens_generated + other.tokens_generated
+        )
+
+    def __sub__(self, other: GenerationProgress) -> GenerationProgress:
+        return GenerationProgress(
+            self.requests_finished - other.requests_finished, self.tokens_generated - other.tokens_generated
+        )
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     """`logprobs[i]` is the log-prob of `output_ids[i]` under the temperature-scaled distribution (before top-p),
     and `weight_versions[i]` the version of the weights that generated it (the adapter's for an adapter request):
@@ -134,6 +153,10 @@ class RolloutEngine(Protocol):
         ...
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
+
+    def progress(self) -> GenerationProgress:
+        """Requests finished and tokens they generated since the engine started (answered while it generates)."""
+        ...
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Transport object_store: the tensors, handed over through Ray's object store."""

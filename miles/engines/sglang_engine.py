@@ -44,6 +44,7 @@ from miles.engines.base import (
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
+    GenerationProgress,
     check_adapters_loaded,
     shared_launch_args,
 )
@@ -132,6 +133,7 @@ class SGLangEngine:
             # explicit: SGLang's `auto` serves an fp32 checkpoint in fp16
             "--dtype",
             dtype,
+            "--enable-metrics",  # /metrics: its counters of finished requests are the engine's progress
         ]
         attention_backend = config.attention_backend or ("torch_native" if on_cpu else None)
         if attention_backend is not None:
@@ -240,6 +242,13 @@ class SGLangEngine:
             return self._http.get("/health_generate", timeout=self.config.health_timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def progress(self) -> GenerationProgress:
+        """From the server's Prometheus counters, summed over their label sets."""
+        text = self._http.get("/metrics", timeout=self.config.health_timeout_s).text
+        return GenerationProgress(
+            int(_counter(text, "sglang:num_requests_total")), int(_counter(text, "sglang:generation_tokens_total"))
+        )
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         if not requests:
@@ -456,6 +465,13 @@ def _sampling_params(request: GenerateRequest) -> dict:
         "skip_special_tokens": False,
         "sampling_seed": request.seed,
     }
+
+
+def _counter(metrics: str, name: str) -> float:
+    """A counter's total in Prometheus' text format (`name{labels} value` lines; none yet: 0)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith((f"{name}{{", f"{name} "))
+    )
 
 
 def _free_port() -> int:

@@ -37,6 +37,7 @@ from miles.config import AdapterConfig, RolloutConfig
 from miles.engines.base import (
     GenerateRequest,
     GenerateResult,
+    GenerationProgress,
     check_adapters_loaded,
     read_safetensors,
     shared_launch_args,
@@ -102,6 +103,7 @@ class TorchEngine:
         self._stepping = False
         self._closed = False
         self._busy_s = 0.0  # time spent in decode steps
+        self._progress = GenerationProgress()  # written by the decode loop only
         self._loop = threading.Thread(target=self._decode_loop, name="torch-engine-decode", daemon=True)
         self._loop.start()
         atexit.register(self._stop_decoding)
@@ -154,6 +156,9 @@ class TorchEngine:
 
     def health(self) -> bool:
         return self._loop.is_alive()
+
+    def progress(self) -> GenerationProgress:
+        return self._progress
 
     def shutdown(self) -> None:
         self._stop_decoding()
@@ -327,6 +332,7 @@ class TorchEngine:
         finished_rows = finished.nonzero().squeeze(1).tolist()
         for i in finished_rows:
             batch.sequences[i].finish("stop" if batch.hit_stop[i] else "length")
+            self._progress += GenerationProgress(1, len(batch.sequences[i].tokens))
         if finished_rows:
             batch = batch.selected(~finished)
             self._batch = batch if batch.sequences else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 
 import ray
@@ -25,10 +26,21 @@ import ray
 from miles.cluster import ENGINE_CONCURRENCY, HEALTH_TIMEOUT_S, actor_options, first_line
 from miles.config import AdapterConfig, RolloutConfig
 from miles.engines import resolve_engine
-from miles.engines.base import EngineUnavailable, GenerateRequest, GenerateResult, RolloutEngine, check_adapters_loaded
+from miles.engines.base import (
+    EngineUnavailable,
+    GenerateRequest,
+    GenerateResult,
+    GenerationProgress,
+    RolloutEngine,
+    check_adapters_loaded,
+)
 from miles.rollout.weight_transport import WeightPush
 
 log = logging.getLogger(__name__)
+
+# A generation that runs longer than this reports its progress, and again every PROGRESS_EVERY_S.
+PROGRESS_AFTER_S = 10.0
+PROGRESS_EVERY_S = 30.0
 
 
 class EngineRestarted(RuntimeError):
@@ -65,22 +77,27 @@ class InferenceController:
         """Contiguous shards, one per engine; per-request seeds make the result independent of the split."""
         shard = -(-len(requests) // len(self.engines))
         shards = {i: requests[i * shard : (i + 1) * shard] for i in range(len(self.engines))}
-        parts = self._on_engines(RolloutEngine.generate, {i: (part,) for i, part in shards.items() if part})
+        calls = {i: (part,) for i, part in shards.items() if part}
+        parts = self._on_engines(RolloutEngine.generate, calls, requests=len(requests))
         return [result for part in parts for result in part]
 
     def _on_every_engine(self, method: Callable, *args) -> list:
         return self._on_engines(method, dict.fromkeys(range(len(self.engines)), args))
 
-    def _on_engines(self, method: Callable, args_by_engine: dict[int, tuple], alongside=None) -> list:
+    def _on_engines(
+        self, method: Callable, args_by_engine: dict[int, tuple], alongside=None, requests: int | None = None
+    ) -> list:
         """Run `engines[i].<method>(*args)` for each `i: args` and return the results in order; `method` is the
         RolloutEngine method (e.g. `RolloutEngine.generate`). `alongside()` runs here while the engines'
-        calls are in flight (the sender of a weight broadcast).
+        calls are in flight (the sender of a weight broadcast). A generation of `requests` requests reports its
+        progress while it runs long (`GenerationReport`).
 
         When an engine died or gave no answer within timeout_s, the dead and hung engines are restarted and
         EngineRestarted is raised; any other error (a rejected request, a failed argument) is raised as it is.
         """
         what = method.__name__
         used = {i: self.engines[i] for i in args_by_engine}
+        report = GenerationReport(used, requests) if requests is not None else None
         refs = {i: getattr(used[i], what).remote(*args) for i, args in args_by_engine.items()}
         sender_error = None
         if alongside is not None:
@@ -88,7 +105,7 @@ class InferenceController:
                 alongside()
             except Exception as exc:  # noqa: BLE001 - the engines' side ends too, and an engine's death comes first
                 sender_error = exc
-        hung = self._wait_while_healthy(refs, used)
+        hung = self._wait_while_healthy(refs, used, report)
         cause = None
         if hung:
             reason = f"engines {sorted(hung)} gave no answer within {self.timeout_s:g} s and failed their health check"
@@ -114,16 +131,32 @@ class InferenceController:
             f" and adapters {self.adapter_versions()}; a retry runs on the restarted engines"
         ) from cause
 
-    def _wait_while_healthy(self, refs: dict[int, ray.ObjectRef], used: dict[int, ray.actor.ActorHandle]) -> set[int]:
+    def _wait_while_healthy(
+        self,
+        refs: dict[int, ray.ObjectRef],
+        used: dict[int, ray.actor.ActorHandle],
+        report: GenerationReport | None = None,
+    ) -> set[int]:
         """Wait for every call. Each time `timeout_s` passes, the engines whose calls have not finished are
-        health-checked: the healthy ones (a long batch) are waited for again, and those that fail are hung."""
+        health-checked: the healthy ones (a long batch) are waited for again, and those that fail are hung. A
+        `report` is given its turns in between."""
         pending = dict(refs)
+        health_check_at = time.monotonic() + self.timeout_s
         while pending:
-            _, not_ready = ray.wait(list(pending.values()), num_returns=len(pending), timeout=self.timeout_s)
+            wake_at = health_check_at if report is None else min(health_check_at, report.due_at)
+            _, not_ready = ray.wait(
+                list(pending.values()), num_returns=len(pending), timeout=max(0.0, wake_at - time.monotonic())
+            )
             pending = {i: ref for i, ref in pending.items() if ref in not_ready}
-            hung = {i for i in pending if not _healthy(used[i], min(HEALTH_TIMEOUT_S, self.timeout_s))}
-            if hung:
-                return hung
+            if not pending:
+                break
+            if report is not None and time.monotonic() >= report.due_at:
+                report.log()
+            if time.monotonic() >= health_check_at:
+                hung = {i for i in pending if not _healthy(used[i], min(HEALTH_TIMEOUT_S, self.timeout_s))}
+                if hung:
+                    return hung
+                health_check_at = time.monotonic() + self.timeout_s
         return set()
 
     def _restart_engines(self, hung: set[int], used: dict[int, ray.actor.ActorHandle]) -> list[int]:
@@ -214,6 +247,43 @@ def _try_shutdown(engine: ray.actor.ActorHandle) -> None:
         ray.get(engine.shutdown.remote(), timeout=HEALTH_TIMEOUT_S)
     except (ray.exceptions.RayError, EngineUnavailable):
         pass  # dead or hung: ray.kill ends it, and its server dies with it
+
+
+class GenerationReport:
+    """A log line on a generation that runs long: PROGRESS_AFTER_S after it began, then every PROGRESS_EVERY_S. It
+    counts what the engines it runs on finished since it began (their `progress`; a concurrent caller's requests on
+    the same engines count too) against its own number of requests."""
+
+    def __init__(self, engines: dict[int, ray.actor.ActorHandle], requests: int):
+        self.engines = engines
+        self.requests = requests
+        self.started = time.monotonic()
+        self.due_at = self.started + PROGRESS_AFTER_S
+        self._baseline = [engine.progress.remote() for engine in engines.values()]  # read when first needed
+
+    def log(self) -> None:
+        self.due_at = time.monotonic() + PROGRESS_EVERY_S
+        try:
+            now = ray.get([engine.progress.remote() for engine in self.engines.values()], timeout=HEALTH_TIMEOUT_S)
+            then = ray.get(self._baseline, timeout=HEALTH_TIMEOUT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+            log.info(
+                "generating %d requests for %.0f s; engine progress unavailable: %s",
+                self.requests,
+                time.monotonic() - self.started,
+                first_line(exc),
+            )
+            return
+        done = sum(now, GenerationProgress()) - sum(then, GenerationProgress())
+        elapsed = time.monotonic() - self.started
+        log.info(
+            "generating: %d of %d requests done, %d tokens (%.0f tokens/s) in %.0f s",
+            min(done.requests_finished, self.requests),
+            self.requests,
+            done.tokens_generated,
+            done.tokens_generated / elapsed,
+            elapsed,
+        )
 
 
 def _healthy(engine: ray.actor.ActorHandle, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:

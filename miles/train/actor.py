@@ -25,7 +25,6 @@ from miles.checkpoint import (
     staging_path,
     weights_dtype,
 )
-from miles.cluster import free_address
 from miles.config import RunConfig
 from miles.run_dir import RunDir
 from miles.tensor_payload import serialize_named_tensors
@@ -144,6 +143,8 @@ class TrainActor:
 
     def free_address(self) -> tuple[str, int]:
         """An address on this rank's node for a process group this rank is rank 0 of (the weight-update group)."""
+        from miles.cluster import free_address  # Ray's: the trainer also runs in a process without Ray
+
         return free_address()
 
     def weight_bucket_specs(self, dtype: str | None = None) -> list[list[TensorSpec]]:

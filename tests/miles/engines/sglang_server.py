@@ -27,6 +27,8 @@ with SGLang's request fields, response JSON and status codes:
 - LoRA (with `--enable-lora`): `/load_lora_adapter` (a name loaded twice is refused), `/unload_lora_adapter`.
 - `/health`, `/health_generate` (a one-token generation; 503 while generation is paused or a weight update is
   open, as SGLang cannot run its probe then), `/model_info`.
+- `/metrics` (with `--enable-metrics`): `sglang:num_requests_total` and `sglang:generation_tokens_total`, counted
+  when a request finishes, in Prometheus' text format.
 It generates with a TorchEngine, so tokens and log-probs are real; as SGLang, it honours `sampling_seed` only with
 `--enable-deterministic-inference`. `/test_fault` is its own, not SGLang's: it makes every later request answer an
 HTTP error, as a server whose scheduler crashed does, every log-prob come back null (`null_logprobs`), or the next
@@ -101,6 +103,7 @@ class StandInServer:
             args.model_path,
             weight_version=_version_number(args.weight_version),
             device="cpu",
+            dtype="float32" if args.dtype == "auto" else args.dtype,
             num_threads=1,
             max_running_requests=args.max_running_requests,
             pause_generation_mode="in_place",  # a load keeps the requests' KV cache; /pause_generation may drop it
@@ -508,6 +511,17 @@ def build_app(server: StandInServer) -> FastAPI:
     def health():
         return Response(status_code=200)
 
+    @app.get("/metrics")
+    def metrics():
+        if not server.args.enable_metrics:
+            return Response(status_code=404)
+        progress = server.engine.progress()
+        labels = '{model_name="stand-in",is_streaming="false"}'
+        return PlainTextResponse(
+            f"sglang:num_requests_total{labels} {float(progress.requests_finished)}\n"
+            f"sglang:generation_tokens_total{labels} {float(progress.tokens_generated)}\n"
+        )
+
     @app.get("/health_generate")
     def health_generate():
         return server.health_generate()
@@ -604,7 +618,8 @@ def main() -> None:
     parser.add_argument("--tp-size", type=int, default=1, choices=[1])
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--mem-fraction-static", type=float)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32"])  # it serves in fp32
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--enable-metrics", action="store_true")
     parser.add_argument("--attention-backend")
     parser.add_argument("--max-total-tokens", type=int)
     parser.add_argument("--enable-lora", action="store_true")

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from miles.config import SGLangConfig
-from miles.engines.base import EngineUnavailable, GenerateRequest, SamplingParams
+from miles.engines.base import EngineUnavailable, GenerateRequest, GenerationProgress, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine, token_versions
 from miles.engines.torch_engine import TorchEngine
 from miles.tensor_payload import serialize_named_tensors
@@ -213,6 +213,14 @@ def test_max_new_tokens_cuts_the_sample_with_finish_reason_length(server, tokeni
     results = server.generate(_greedy(tokenizer, max_new_tokens=1, stop=()))  # each answer's first digit
     assert all(r.finish_reason == "length" and len(r.output_ids) == 1 for r in results)
     assert all(len(r.logprobs) == len(r.weight_versions) == 1 for r in results)
+
+
+def test_progress_counts_the_finished_requests_and_their_tokens(server, tokenizer):
+    """Pins: /metrics (--enable-metrics) counts each finished request and its generated tokens, as the progress a
+    long batch reports."""
+    before = server.progress()
+    results = server.generate(_greedy(tokenizer, max_new_tokens=3, stop=()))
+    assert server.progress() - before == GenerationProgress(len(results), sum(len(r.output_ids) for r in results))
 
 
 def test_a_pause_in_abort_mode_ends_the_requests_in_flight_as_aborted(server, tokenizer):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import re
 import signal
 import threading
 
@@ -14,6 +16,7 @@ import torch
 
 from miles.config import AdapterConfig, RolloutConfig, load_config
 from miles.engines.torch_engine import TorchEngine
+from miles.rollout import inference_controller
 from miles.rollout.inference_controller import EngineRestarted, InferenceController
 from tests.helpers import perturbed_weights, sglang_overrides, weights_push
 from tests.helpers.faults import actor_pid, sglang_server_pid
@@ -288,3 +291,29 @@ def test_an_engine_that_cannot_start_reports_why(ray_session, tiny_model_dir, to
             controller.generate(make_requests(tokenizer, ["1+2="]))
     finally:
         controller.shutdown()
+
+
+def test_a_long_generation_reports_its_progress(ray_session, tiny_model_dir, tokenizer, monkeypatch, caplog):
+    """Requests of up to 1 to 8 tokens (the model's EOS may end them sooner) at 0.6 s a decode step: the report after
+    0.5 s and every 0.5 s then counts those finished so far, as the engine's own counters have them."""
+    monkeypatch.setattr(inference_controller, "PROGRESS_AFTER_S", 0.5)
+    monkeypatch.setattr(inference_controller, "PROGRESS_EVERY_S", 0.5)
+    rollout = load_config(None, ["rollout.num_threads=1", *sglang_overrides()]).rollout
+    controller = InferenceController(str(tiny_model_dir), 0, rollout)
+    try:
+        requests = [
+            dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=n, stop_token_ids=()))
+            for n, r in enumerate(seeded(make_requests(tokenizer, ["1+2="] * 8), 5), start=1)
+        ]
+        url = ray.get(controller.engines[0].__ray_call__.remote(lambda self: self.url))
+        httpx.post(f"{url}/test_fault", json={"decode_delay_s": 0.6}, trust_env=False).raise_for_status()
+        with caplog.at_level(logging.INFO, logger=inference_controller.__name__):
+            results = controller.generate(requests)
+    finally:
+        controller.shutdown()
+    reports = [re.search(r"generating: (\d+) of 8 requests done, (\d+) tokens", m) for m in caplog.messages]
+    done = [(int(r.group(1)), int(r.group(2))) for r in reports if r]
+    assert len(done) >= 2 and done == sorted(done) and 0 < done[-1][0] < 8
+    # shorter requests finish first: the n done hold the n shortest results' tokens
+    lengths = sorted(len(r.output_ids) for r in results)
+    assert all(tokens == sum(lengths[:finished]) for finished, tokens in done)
