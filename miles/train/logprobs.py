@@ -92,7 +92,8 @@ def _chunked_head(
             chunks.append(checkpoint(_chunk_stats, *args, temperature, entropy_grad, use_reentrant=False))
         else:
             chunks.append(_chunk_stats(*args, temperature, entropy_grad))
-    return torch.cat(chunks).reshape(batch, width - 1, 2)
+    # a tensor of its own, not a view: FSDP2 warns that an in-place op on a module's output view skips its hooks
+    return torch.cat(chunks).reshape(batch, width - 1, 2).clone()
 
 
 def _chunk_stats(

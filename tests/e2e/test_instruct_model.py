@@ -34,6 +34,18 @@ def _chat_requests(tokenizer, count: int) -> list[GenerateRequest]:
     ]
 
 
+def _gaps_to_a_forward(model_dir, requests, results) -> list[float]:
+    """|engine log-prob - a Hugging Face fp32 forward's| of every generated token."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gaps = []
+    for request, result in zip(requests, results, strict=True):
+        ids = torch.tensor([request.prompt_ids + result.output_ids])
+        with torch.no_grad():
+            expected = token_logprobs(model(input_ids=ids).logits, ids)[0, len(request.prompt_ids) :]
+        gaps += (expected - torch.tensor(result.logprobs)).abs().tolist()
+    return gaps
+
+
 def test_both_end_of_sequence_ids_stop_generation_and_the_engine_agrees_with_a_forward(instruct_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(instruct_model_dir)
     im_end, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
@@ -45,14 +57,7 @@ def test_both_end_of_sequence_ids_stop_generation_and_the_engine_agrees_with_a_f
     assert stopped and all(r.output_ids[-1] == im_end for r in stopped)
     assert all(im_end not in r.output_ids for r in results if r.finish_reason == "length")
 
-    model = AutoModelForCausalLM.from_pretrained(instruct_model_dir, dtype=torch.float32).eval()
-    gaps = []
-    for request, result in zip(requests, results, strict=True):
-        ids = torch.tensor([request.prompt_ids + result.output_ids])
-        with torch.no_grad():
-            expected = token_logprobs(model(input_ids=ids).logits, ids)[0, len(request.prompt_ids) :]
-        gaps.append(float((expected - torch.tensor(result.logprobs)).abs().max()))
-    assert max(gaps) <= 1e-5
+    assert max(_gaps_to_a_forward(instruct_model_dir, requests, results)) <= 1e-5
 
 
 def test_a_bf16_engine_is_within_rounding_of_the_fp32_trainer(instruct_model_dir):
@@ -61,13 +66,7 @@ def test_a_bf16_engine_is_within_rounding_of_the_fp32_trainer(instruct_model_dir
     tokenizer = AutoTokenizer.from_pretrained(instruct_model_dir)
     requests = _chat_requests(tokenizer, 8)
     results = TorchEngine(str(instruct_model_dir), dtype="bfloat16", num_threads=1).generate(requests)
-    model = AutoModelForCausalLM.from_pretrained(instruct_model_dir, dtype=torch.float32).eval()
-    gaps = []
-    for request, result in zip(requests, results, strict=True):
-        ids = torch.tensor([request.prompt_ids + result.output_ids])
-        with torch.no_grad():
-            expected = token_logprobs(model(input_ids=ids).logits, ids)[0, len(request.prompt_ids) :]
-        gaps += (expected - torch.tensor(result.logprobs)).abs().tolist()
+    gaps = _gaps_to_a_forward(instruct_model_dir, requests, results)
     mean = sum(gaps) / len(gaps)
     print(f"bf16 engine vs fp32 forward: mean |log-prob gap| {mean:.4f}, max {max(gaps):.4f} over {len(gaps)} tokens")
     assert 1e-5 < mean < 0.1
