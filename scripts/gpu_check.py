@@ -10,7 +10,8 @@
 5. A model of a pretrained model's size (Qwen2.5-0.5B's shape and vocabulary, random weights stored in bf16): the
    TorchEngine serving it in bf16, the trainer as one FSDP2 rank computing in bf16 (token-budget micro-batches,
    log-probs in chunks, activation checkpointing), the trainer-vs-engine log-prob gap, engine and trainer tokens/s,
-   and the fraction of the measured bf16 matmul peak the trainer reaches (6 x parameters x tokens per step).
+   and the fraction of the measured bf16 matmul peak the trainer reaches (6 x parameters x tokens per step, plus
+   attention).
 
 It needs no Ray and no Prefect (scripts/gpu_check.sh installs the few wheels the GPU machine lacks); `--dry-run`
 runs every check on the CPU at small sizes, to show that it starts with that machine's torch and transformers.
@@ -284,8 +285,12 @@ def check_real_size(root: Path, tokenizer, shape: dict, batch: int, new_tokens: 
     metrics = trainer.train(1, table)
     _synchronize()
     seconds = time.perf_counter() - started
-    tokens = int(batch_tensors.attention_mask.sum())
-    achieved = 6 * parameters * tokens / seconds / 1e12  # forward and backward of every token, recompute not counted
+    lengths = batch_tensors.attention_mask.sum(1)
+    tokens = int(lengths.sum())
+    # Forward and backward: 6 x parameters per token, plus attention's two matmuls per layer over each sequence
+    # (12 x layers x hidden x length^2); activation checkpointing's recompute not counted.
+    attention = 12 * shape["num_hidden_layers"] * shape["hidden_size"] * int((lengths**2).sum())
+    achieved = (6 * parameters * tokens + attention) / seconds / 1e12
     peak = _bf16_peak_tflops()
     ok = bool(torch.isfinite(torch.tensor(metrics["loss"])) and gap.mean() < 0.05)
     print(
