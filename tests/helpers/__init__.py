@@ -130,3 +130,21 @@ def weights_push(rollout, model_dir, weights: dict, version: int, directory):
     if weight_transport(rollout, TrainConfig()) == "disk":  # a trainer on the CPU, as in every test
         return DiskPush(weights_directory(model_dir, weights, Path(directory) / str(version)), version, probe)
     return ObjectStorePush(ray.put(weights), version, probe)
+
+
+def small_llama(vocab: int = 50, **config):
+    """A seeded, randomly initialised two-layer Llama of width 32 (config fields may be overridden)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(LlamaConfig(**(shape | config)))

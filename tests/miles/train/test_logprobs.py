@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from miles.train.logprobs import chunk_positions, token_logprobs, token_stats
+from tests.helpers import small_llama
 
 
 def _reference_logprobs_entropy(logits, tokens, temperature):
@@ -42,20 +42,6 @@ def test_token_logprobs_and_entropy(temperature):
     assert torch.all(ref_ent[:, 1:] > 0) and torch.all(ref_ent <= math.log(V) + 1e-5)
 
 
-def _llama(vocab: int = 50) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
-
-
 def test_chunk_positions_bound_the_chunks_logits():
     assert chunk_positions(vocab_size=49152, chunk_mb=64) == 341  # 64 MiB / (49152 x 4 bytes)
     assert chunk_positions(vocab_size=16, chunk_mb=64) == 2**20
@@ -66,7 +52,7 @@ def test_chunk_positions_bound_the_chunks_logits():
 def test_token_stats_in_chunks_equal_the_full_logits(temperature):
     """Log-probs, entropies and both gradients are those of the full-vocabulary logits, whatever the chunk size
     (here 3 positions of a 50-token vocabulary: 600 bytes per chunk, 6 chunks), with the padding's positions."""
-    model = _llama()
+    model = small_llama()
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(50, (2, 9), generator=gen)
     attention = torch.ones_like(tokens)
@@ -89,7 +75,7 @@ def test_token_stats_in_chunks_equal_the_full_logits(temperature):
 
 
 def test_the_entropy_carries_a_gradient_when_the_loss_has_it():
-    model = _llama()
+    model = small_llama()
     tokens = torch.randint(50, (1, 6), generator=torch.Generator().manual_seed(4))
     logits = model(input_ids=tokens).logits[:, :-1]
     log_softmax = torch.log_softmax(logits, dim=-1)
@@ -103,7 +89,7 @@ def test_the_entropy_carries_a_gradient_when_the_loss_has_it():
 
 
 def test_the_head_is_its_own_again_after_token_stats_even_when_the_forward_fails():
-    model = _llama()
+    model = small_llama()
     head = model.get_output_embeddings()
     with pytest.raises(IndexError):
         token_stats(model, torch.tensor([[1, 2, 99]]), torch.ones(1, 3, dtype=torch.long), 1.0, chunk_mb=1)
@@ -112,7 +98,7 @@ def test_the_head_is_its_own_again_after_token_stats_even_when_the_forward_fails
 
 
 def test_a_model_that_caps_its_logits_after_the_head_is_refused():
-    model = _llama()
+    model = small_llama()
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         token_stats(model, torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.long), 1.0, chunk_mb=1)

@@ -14,6 +14,7 @@ from miles.config import load_config
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.train.algorithms import Algorithm
 from miles.train.update import token_advantages, train_on_rollout
+from tests.helpers import small_llama
 
 OLD_LOGPROB, ROLLOUT_LOGPROB = -1.0, -1.2
 
@@ -213,30 +214,14 @@ def test_environment_tokens_leave_the_loss_and_the_gradient_alone(tiny_model_dir
     assert changed_loss != loss and any(not torch.equal(grads[n], changed[n]) for n in grads)
 
 
-def _llama_with(attention_dropout: float):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=20,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=32,
-        attention_dropout=attention_dropout,
-    )
-    return LlamaForCausalLM(config).train()
-
-
 def test_old_and_reference_logprobs_come_from_an_eval_forward():
     """A model with dropout: batch_logprobs is the eval-mode forward (the same twice, though the model trains), and
     leaves the model in the mode it found it in; the old policy of every row then comes from it."""
     from miles.train.batch import TrainBatch
     from miles.train.update import batch_logprobs, dropout_active, policy_logprobs
 
-    model = _llama_with(attention_dropout=0.5)
-    assert dropout_active(model) and not dropout_active(_llama_with(attention_dropout=0.0))
+    model = small_llama(vocab=20, attention_dropout=0.5).train()
+    assert dropout_active(model) and not dropout_active(small_llama(vocab=20))
     tokens = torch.randint(20, (4, 12), generator=torch.Generator().manual_seed(0))
     ones = torch.ones_like(tokens)
     batch = TrainBatch(tokens, ones, ones.bool(), torch.zeros(4, 12), torch.zeros(4))
