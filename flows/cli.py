@@ -19,6 +19,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
     )
+    run.add_argument(
+        "--accept-config-change",
+        action="store_true",
+        help="resume a run whose config changed in fields that change what a rollout or a step means",
+    )
     return parser
 
 
@@ -28,18 +33,29 @@ def main(argv: list[str] | None = None) -> int:
 
     rl_flow = FLOWS[args.flow]
     try:
-        config = load_config(args.config, args.overrides, run_dir=args.run_dir, num_rollout=args.num_rollout)
+        config = load_config(
+            args.config,
+            args.overrides,
+            run_dir=args.run_dir,
+            num_rollout=args.num_rollout,
+            accept_config_change=args.accept_config_change or None,
+        )
         rl_flow.check(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from flows.runtime import configure_prefect, start_ephemeral_api
+    from flows.runtime import configure_prefect, quiet_config_errors, start_ephemeral_api
 
     configure_prefect()
     start_ephemeral_api()
-    state = rl_flow.load()(config, return_state=True)
+    with quiet_config_errors():
+        state = rl_flow.load()(config, return_state=True)
     if not state.is_completed():
+        error = state.result(raise_on_failure=False) if state.is_failed() else None
+        if isinstance(error, ConfigError):  # found once the run had started: the traceback is in the flow run's log
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         print(f"flow run ended {state.name}: {state.message}", file=sys.stderr)
         return 1
     result = state.result()

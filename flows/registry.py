@@ -32,12 +32,12 @@ def _load(path: str) -> Any:
 FLOWS = {
     flow.name: flow
     for flow in (
-        RLFlow("sync", "flows.sync_rl:sync_rl", ("miles.run:check_inputs",)),
-        RLFlow("async", "flows.async_rl:async_rl", ("miles.run:check_inputs", "miles.run:check_off_policy_correction")),
+        RLFlow("sync", "flows.sync_rl:sync_rl", ("miles.run:check_run",)),
+        RLFlow("async", "flows.async_rl:async_rl", ("miles.run:check_off_policy_correction", "miles.run:check_run")),
         RLFlow(
             "fully-async",
             "flows.fully_async_rl:fully_async_rl",
-            ("miles.run:check_inputs", "miles.run:check_fully_async"),
+            ("miles.run:check_fully_async", "miles.run:check_run"),
         ),
         RLFlow("multi-lora", "flows.multi_lora:multi_lora", ("miles.multi_lora:check_adapter_inputs",)),
     )

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 # What the embedded API does per task run, set down to what a user reads (benchmarks/README.md has the profile). By
@@ -151,3 +152,30 @@ def check_deployment_run(config) -> None:
             f"{where}: these settings choose programs the workers start, and a run of this deployment may not change "
             f"them ({ALLOW_LAUNCH_VARIABLE}=1 in the deployment allows it):\n" + "\n".join(changed)
         )
+
+
+@contextmanager
+def quiet_config_errors() -> Iterator[None]:
+    """The terminal is spared the traceback of a ConfigError raised in a flow run (the CLI prints its message in one
+    line); the flow run's log in the API keeps it."""
+    import logging
+
+    import prefect.main  # noqa: F401 - sets up Prefect's logging, whose console handlers are filtered here
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from miles.config import ConfigError
+
+    def not_a_config_error(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], ConfigError))
+
+    loggers = [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]
+    consoles = {
+        h for logger in loggers for h in getattr(logger, "handlers", ()) if isinstance(h, PrefectConsoleHandler)
+    }
+    for handler in consoles:
+        handler.addFilter(not_a_config_error)
+    try:
+        yield
+    finally:
+        for handler in consoles:
+            handler.removeFilter(not_a_config_error)

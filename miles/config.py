@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -547,6 +549,11 @@ class RunConfig(_Section):
         description="train at most this many rollouts per flow run, then checkpoint and exit (scheduled runs)",
     )
     ray_address: str | None = Field(None, description="existing Ray cluster; unset starts a local one")
+    accept_config_change: bool = Field(
+        False,
+        description="resume a run whose config changed in a field that changes what a rollout or a step means "
+        '(README, "Resuming a run"); unset: such a start is refused, with the difference',
+    )
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -666,24 +673,131 @@ class RunConfig(_Section):
             raise ConfigError(_format_validation_error(err, f"adapter {adapter.name!r}")) from None
 
 
+# Fields a run may change between its starts (README, "Resuming a run"): they say how long the run goes, where it runs and
+# with what resources, how it is evaluated and logged, how the engines and the trainer compute (the same samples and
+# the same steps, up to float rounding), and how long a reward may take. Every other field, and every field added
+# later, changes what a rollout or a step means, and is compared. `*` stands for any adapter's name.
+CHANGES_FREELY = (
+    "num_rollout",
+    "iterations_per_run",
+    "save_interval",
+    "run_dir",
+    "ray_address",
+    "accept_config_change",
+    "eval",
+    "logging",
+    "rollout.engine",
+    "rollout.num_engines",
+    "rollout.num_threads",
+    "rollout.device",
+    "rollout.dtype",
+    "rollout.engine_timeout_s",
+    "rollout.max_running_requests",
+    "rollout.pause_generation_mode",
+    "rollout.weight_transport",
+    "rollout.push_check_atol",
+    "rollout.sglang",
+    "data.reward_timeout_s",
+    "data.reward_concurrency",
+    "train.num_threads",
+    "train.device",
+    "train.num_workers",
+    "train.sharding",
+    "train.micro_batch_size",
+    "train.max_tokens_per_micro_batch",
+    "train.logits_chunk_mb",
+    "train.gradient_checkpointing",
+    "train.weight_bucket_mb",
+    "train.placement",
+    "adapters.*.num_steps",
+    "adapters.*.eval",
+)
+
+
+def config_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'field: recorded -> current' for each field (of the JSON forms of two RunConfigs) that differs and is not one
+    that changes freely. Adapters are matched by name: one added or removed is no change of the others."""
+    before, after = _flat(recorded), _flat(current)
+    return [
+        f"{field}: {json.dumps(before[field])} -> {json.dumps(after[field])}"
+        for field in sorted(before.keys() & after.keys())
+        if before[field] != after[field] and not _changes_freely(field)
+    ]
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for name, value in config.items():
+        field = f"{prefix}{name}"
+        if field == "adapters":
+            value = {adapter["name"]: adapter for adapter in value}
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{field}.")
+        else:
+            flat[field] = value
+    return flat
+
+
+def _changes_freely(field: str) -> bool:
+    parts = field.split(".")
+    pattern = ".".join(["adapters", "*", *parts[2:]]) if parts[0] == "adapters" and len(parts) > 2 else field
+    return any(pattern == safe or pattern.startswith(f"{safe}.") for safe in CHANGES_FREELY)
+
+
 class ConfigError(ValueError):
     """A config that cannot run; the message names the field (and the file, when there is one)."""
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
+    problems = []
     for item in err.errors():
         message = item["msg"].removeprefix("Value error, ")
         field = ".".join(str(p) for p in item["loc"])
-        lines.append(f"  {field}: {message}" if field else f"  {message}")
-    return "\n".join(lines)
+        problems.append(f"{field}: {message}" if field else message)
+    if len(problems) == 1:
+        return f"invalid config ({source}): {problems[0]}"
+    return "\n  ".join([f"invalid config ({source}):", *problems])
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` as (keys, value): a string field takes the text as it is (`null` unsets an optional one); any
+    other field takes the text as YAML."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form a.b=value")
-    return key.split("."), yaml.safe_load(raw) if raw else ""
+    keys = key.split(".")
+    kind = _field_kind(keys)
+    if kind in (str, str | None):
+        return keys, None if kind is not str and raw in ("null", "~") else raw
+    try:
+        return keys, yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({_yaml_problem(exc)})") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong, and where, in one line."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{getattr(exc, 'problem', None) or str(exc).splitlines()[0]}{where}"
+
+
+def _field_kind(keys: list[str]) -> Any:
+    """The annotation of the RunConfig field at `keys` (list items by index), or None when there is no such field."""
+    kind: Any = RunConfig
+    for key in keys:
+        if get_origin(kind) is list and key.isdigit():
+            kind = get_args(kind)[0]
+            continue
+        if get_origin(kind) in (Union, UnionType):  # an optional section, e.g. `list[...] | None`
+            kind = next((k for k in get_args(kind) if k is not type(None)), None)
+            if get_origin(kind) is list and key.isdigit():
+                kind = get_args(kind)[0]
+                continue
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)) or key not in kind.model_fields:
+            return None
+        kind = kind.model_fields[key].annotation
+    return kind
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
@@ -692,11 +806,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            content = Path(path).read_bytes()
+            loaded = yaml.safe_load(content.decode("utf-8"))
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            line = content[: exc.start].count(b"\n") + 1
+            raise ConfigError(f"config file {path} is not UTF-8 text (line {line}: {exc.reason})") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}

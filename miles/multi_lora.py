@@ -21,11 +21,12 @@ from transformers import AutoTokenizer
 from miles.cluster import ActorGroup, RestartableActor, actor_options, ensure_ray
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
 from miles.iterations import Iterations, PolicyInputs
+from miles.preflight import check_start
 from miles.progress import AdapterReporter, ProgressLine
 from miles.resume import ResumePlan
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
-from miles.run import check_context, check_inputs, initial_model
+from miles.run import check_context, check_inputs, initial_model, starting_tokenizer
 from miles.run_dir import RunDir
 from miles.train.lora import LoRATrainActor
 
@@ -59,6 +60,13 @@ def check_adapter_inputs(config: RunConfig) -> dict[str, PolicyInputs]:
             checked[adapter.name] = check_inputs(config.adapter_view(adapter))
         except ConfigError as exc:
             raise ConfigError(f"adapters.{index} ({adapter.name}): {exc}") from None
+    check_start(config)
+    start = starting_tokenizer(config, sorted({a.data.task for a in resolve_adapters(config) if a.data.task}))
+    for index, (name, inputs) in enumerate(checked.items()):
+        try:
+            check_context(inputs, start)
+        except ConfigError as exc:
+            raise ConfigError(f"adapters.{index} ({name}): {exc}") from None
     return checked
 
 
@@ -182,7 +190,6 @@ class MultiLoRARun:
             tasks = sorted({a.data.task for a in config.adapters if a.data.task is not None})
             self.initial_model = initial_model(self.run_dir, config, tasks)
             tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
-            self._check_contexts(checked, tokenizer)
             ensure_ray(config.ray_address, actors=config.ray_actors)
             self.trainer = RestartableActor("LoRA trainer", self._restored_trainer)
             started.callback(self.trainer.kill)
@@ -203,13 +210,6 @@ class MultiLoRARun:
             progress.update(sum(a.plan.first_rollout_id for a in self.adapters.values()))
             self._record_start()
             self._resources = started.pop_all()
-
-    def _check_contexts(self, checked: dict[str, PolicyInputs], tokenizer) -> None:
-        for index, (name, inputs) in enumerate(checked.items()):
-            try:
-                check_context(inputs, tokenizer, self.initial_model)
-            except ConfigError as exc:
-                raise ConfigError(f"adapters.{index} ({name}): {exc}") from None
 
     def _record_start(self) -> None:
         start = {

@@ -12,9 +12,17 @@ def import_object(field: str, spec: str) -> object:
     if not sep or not module_name or not attr:
         raise ValueError(f"{field}: {spec!r} is not an import path of the form 'pkg.mod:fn'")
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{field}: cannot import {spec!r}: {exc}") from exc
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{field}: cannot import {spec!r}: {exc}") from None
+    except SyntaxError as exc:
+        raise ValueError(f"{field}: {exc.filename}, line {exc.lineno}: {exc.msg}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed at import: say where, in one line
+        raise ValueError(f"{field}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"{field}: cannot import {spec!r}: module {module_name!r} has no {attr!r}") from None
 
 
 def import_callable(field: str, spec: str) -> Callable:

@@ -11,7 +11,7 @@ import logging
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 from transformers import AutoConfig, AutoTokenizer
@@ -19,12 +19,14 @@ from transformers import AutoConfig, AutoTokenizer
 from miles.checkpoint import MODEL_DIR
 from miles.cluster import ActorGroup, RestartableActor, ensure_ray
 from miles.config import ConfigError, RunConfig
-from miles.data import check_prompt_lengths, load_rows
+from miles.data import check_prompt_tokens, load_rows
 from miles.data.prompts import PromptFormatter
 from miles.engines import weight_transport
 from miles.evaluate import load_eval_sets
 from miles.iterations import Iterations, PolicyInputs
-from miles.models import ensure_embedded_model
+from miles.models import build_tokenizer, ensure_embedded_model
+from miles.models.tiny import tool_tokens
+from miles.preflight import check_start
 from miles.progress import IterationReporter
 from miles.resume import ResumePlan
 from miles.rewards import resolve_reward
@@ -68,30 +70,61 @@ def check_inputs(config: RunConfig) -> PolicyInputs:
         raise ConfigError(str(exc)) from None
 
 
-def check_context(inputs: PolicyInputs, tokenizer, model: Path) -> None:
+class StartingTokenizer(NamedTuple):
+    """The tokenizer and context length of the model a run starts from, and what to call that model in errors."""
+
+    tokenizer: Any
+    context: int
+    model: str
+
+
+def starting_tokenizer(config: RunConfig, tasks: list[str]) -> StartingTokenizer:
+    """The starting model's tokenizer and context, without building the embedded model (its tokenizer and shape are
+    known from the config)."""
+    model = RunDir(config.run_dir).pinned_initial_model() or config.model.path
+    if model is None:
+        return StartingTokenizer(
+            build_tokenizer(tool_tokens(tasks)), config.model.tiny.max_position_embeddings, "the embedded model"
+        )
+    return StartingTokenizer(
+        AutoTokenizer.from_pretrained(model), AutoConfig.from_pretrained(model).max_position_embeddings, str(model)
+    )
+
+
+def check_context(inputs: PolicyInputs, start: StartingTokenizer) -> None:
     """Every prompt, of the training data and of each eval data set, can be formatted for the model (a chat
     template where one is needed) and, with its max_new_tokens, fits the model's context (before any work starts)."""
     config = inputs.config
-    context = AutoConfig.from_pretrained(model).max_position_embeddings
     checks = [(config.data, inputs.rows, config.rollout.max_new_tokens, "rollout.max_new_tokens", "")]
     for index, (dataset, rows, _) in enumerate(inputs.eval_sets):
         budget = dataset.max_new_tokens or config.rollout.max_new_tokens
         checks.append((dataset, rows, budget, "max_new_tokens", f"eval.datasets.{index} ({dataset.name}): "))
     for data, rows, max_new_tokens, budget_field, where in checks:
-        prompts = PromptFormatter(tokenizer, data)
+        prompts = PromptFormatter(start.tokenizer, data)
         try:
-            prompts.check([r["prompt"] for r in rows], str(model))
+            prompts.check([r["prompt"] for r in rows], start.model)
             source = data.path or f"task {data.task}"
-            check_prompt_lengths(rows, prompts, max_new_tokens, context, source, budget_field)
+            check_prompt_tokens(rows, prompts, max_new_tokens, start.context, source, budget_field)
         except ValueError as exc:
             raise ConfigError(where + str(exc)) from None
 
 
+def check_run(config: RunConfig) -> PolicyInputs:
+    """Everything that can reject a full-model run before its engines and trainer start: the inputs, the start
+    (miles.preflight), every prompt's fit in the starting model's context. The `miles` CLI runs it before Prefect
+    starts, the run again at its start."""
+    inputs = check_inputs(config)
+    check_start(config)
+    check_context(inputs, starting_tokenizer(config, [config.data.task]))
+    return inputs
+
+
 def initial_model(run_dir: RunDir, config: RunConfig, tasks: list[str]) -> Path:
-    """The run's starting model: as recorded in run.json, else model.path, else the embedded model for `tasks`."""
-    recorded = run_dir.recorded_initial_model()
-    if recorded is not None:
-        return recorded
+    """The run's starting model: the one it has trained from (run.json), else model.path, else the embedded model for
+    `tasks`."""
+    pinned = run_dir.pinned_initial_model()
+    if pinned is not None:
+        return pinned
     if config.model.path:
         return Path(config.model.path).resolve()
     return ensure_embedded_model(config.model, tasks, config.seed)
@@ -126,7 +159,7 @@ class RLRun:
     def __init__(self, config: RunConfig):
         # Every node resolves the run directory alike, whatever its working directory.
         config = config.model_copy(update={"run_dir": str(Path(config.run_dir).resolve())})
-        inputs = check_inputs(config)
+        inputs = check_run(config)
         self.transport = weight_transport(config.rollout, config.train)
         self.config = config
         self.run_dir = RunDir(config.run_dir).create()
@@ -134,7 +167,6 @@ class RLRun:
             started.callback(self.run_dir.lock().release)
             self.initial_model = initial_model(self.run_dir, config, [config.data.task])
             tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
-            check_context(inputs, tokenizer, self.initial_model)
             plan = ResumePlan.read(self.run_dir, RolloutStore(self.run_dir.rollouts))
             self._record_start(plan)
             ensure_ray(config.ray_address, actors=config.ray_actors)

@@ -114,18 +114,41 @@ class RunDir:
     def eval_curve_path(self, dataset: str) -> Path:
         return self.path / f"eval_{dataset}.png"
 
-    # run.json: what the run started from, and every start.
+    # run.json: what the run started from, and every start with its config.
 
-    def recorded_initial_model(self) -> Path | None:
-        if not self.record_path.exists():
-            return None
-        return Path(json.loads(self.record_path.read_text())["initial_model"])
+    @property
+    def lock_path(self) -> Path:
+        return self.path / "run.lock"
+
+    def _record(self) -> dict[str, Any] | None:
+        return json.loads(self.record_path.read_text()) if self.record_path.exists() else None
+
+    def has_trained(self) -> bool:
+        return bool(self.ledger().trained) or _holds_files(self.checkpoints)
+
+    def has_work(self) -> bool:
+        """Whether a start has left anything of the run: a trained rollout, a checkpoint, a stored rollout."""
+        return self.has_trained() or _holds_files(self.rollouts)
+
+    def pinned_initial_model(self) -> Path | None:
+        """The model the run started from, once a start has trained on it; a start that trained nothing pins none."""
+        record = self._record()
+        return Path(record["initial_model"]) if record is not None and self.has_trained() else None
+
+    def recorded_config(self) -> dict[str, Any] | None:
+        """The config of the last start (its JSON form)."""
+        record = self._record()
+        return record["config"] if record else None
 
     def record_start(self, config: dict[str, Any], initial_model: Path, start: dict[str, Any]) -> None:
-        record = json.loads(self.record_path.read_text()) if self.record_path.exists() else {"starts": []}
+        record = self._record() or {"starts": []}
         record.update(config=config, initial_model=str(initial_model), versions=_versions())
-        record["starts"].append({"time": time.time(), **start})
+        record["starts"].append({"time": time.time(), **start, "config": config})
         write_json_atomic(self.record_path, record)
+
+
+def _holds_files(directory: Path) -> bool:
+    return directory.is_dir() and any(directory.iterdir())
 
 
 def is_evaluation(record: dict[str, Any]) -> bool:

@@ -17,6 +17,7 @@ from miles.data.prompts import PromptFormatter
 from miles.envs import task_rows
 
 _SHARD = re.compile(r"^(.+?)-\d{5}-of-\d{5}\.parquet$")
+ROW = "row"  # a row's number in its source, as errors name it: the line of a JSONL file, else its position
 
 
 def load_rows(config: DataConfig) -> list[dict]:
@@ -28,7 +29,7 @@ def load_rows(config: DataConfig) -> list[dict]:
     return _rows(source, records, config.prompt_key, config.label_key, config.apply_chat_template)
 
 
-def check_prompt_lengths(
+def check_prompt_tokens(
     rows: list[dict],
     prompts: PromptFormatter,
     max_new_tokens: int,
@@ -37,27 +38,49 @@ def check_prompt_lengths(
     budget_field: str = "rollout.max_new_tokens",
 ) -> None:
     """Raise for the first row whose prompt (as the model is given it) leaves no room for max_new_tokens (the value of
-    `budget_field`) within the model's context.
+    `budget_field`) within the model's context, or holds a character the tokenizer knows no token for (its unknown
+    token would be trained on in the character's place).
 
     A prompt is at least its characters / the longest token's characters tokens long: one longer than the context
     allows by that count alone is refused without tokenizing it (a 50 MB line took minutes and gigabytes)."""
-    longest_token = max(map(len, prompts.tokenizer.get_vocab()))
+    tokenizer = prompts.tokenizer
+    unknown = _unknown_token_id(tokenizer)
+    longest_token = max(map(len, tokenizer.get_vocab()))
     room = context - max_new_tokens
-    characters = [len(prompts.text(r["prompt"])) for r in rows]
-    to_tokenize = [i for i, n in enumerate(characters) if n <= room * longest_token]
-    tokens = dict(zip(to_tokenize, map(len, prompts.encode([rows[i]["prompt"] for i in to_tokenize])[1]), strict=True))
-    for index in range(len(rows)):
+    texts = [prompts.text(r["prompt"]) for r in rows]
+    to_tokenize = [i for i, text in enumerate(texts) if len(text) <= room * longest_token]
+    tokens = dict(zip(to_tokenize, prompts.encode([rows[i]["prompt"] for i in to_tokenize])[1], strict=True))
+    for index, row in enumerate(rows):
+        where = f"{source}: row {row.get(ROW, index + 1)}"
         if index not in tokens:
-            at_least = -(-characters[index] // longest_token)
-            length = f"{characters[index]:,} characters, so at least {at_least:,} tokens"
-        elif tokens[index] > room:
-            length = f"{tokens[index]} tokens"
+            at_least = -(-len(texts[index]) // longest_token)
+            length = f"{len(texts[index]):,} characters, so at least {at_least:,} tokens"
+        elif len(tokens[index]) > room:
+            length = f"{len(tokens[index])} tokens"
         else:
+            if unknown is not None and unknown in tokens[index]:
+                characters = sorted(
+                    {c for c in texts[index] if unknown in tokenizer.encode(c, add_special_tokens=False)}
+                )
+                raise ValueError(
+                    f"{where}: the prompt holds characters the tokenizer has no token for: {''.join(characters)!r} "
+                    f"(they would become its unknown token {tokenizer.convert_ids_to_tokens(unknown)!r})"
+                )
             continue
         raise ValueError(
-            f"{source}: row {index + 1}: the prompt is {length}; with {budget_field}={max_new_tokens} "
+            f"{where}: the prompt is {length}; with {budget_field}={max_new_tokens} "
             f"it exceeds the model's context of {context} tokens (max_position_embeddings)"
         )
+
+
+def _unknown_token_id(tokenizer) -> int | None:
+    """The id a character outside the vocabulary becomes, where the tokenizer's model has one (a byte-level BPE has
+    none; the embedded tokenizer's is its pad token, which the Hugging Face wrapper does not report as unk_token)."""
+    if tokenizer.unk_token_id is not None:
+        return tokenizer.unk_token_id
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    token = getattr(backend.model, "unk_token", None) if backend is not None else None
+    return backend.token_to_id(token) if token else None
 
 
 def _read_records(spec: str, split: str | None, columns: list[str]) -> tuple[str, list]:
@@ -79,15 +102,7 @@ def _read_records(spec: str, split: str | None, columns: list[str]) -> tuple[str
     suffix = path.suffix.lower()
     try:
         if suffix == ".jsonl":
-            records = []
-            for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}: row {line_no} is not valid JSON ({exc.msg})") from None
-            return str(path), records
+            return str(path), _jsonl_records(path)
         if suffix == ".parquet":
             return str(path), _parquet_records([path], columns, str(path))
         if suffix in (".arrow", ".feather"):
@@ -96,6 +111,27 @@ def _read_records(spec: str, split: str | None, columns: list[str]) -> tuple[str
     except (OSError, pa.ArrowInvalid) as exc:
         raise ValueError(f"data.path: cannot read {path}: {exc}") from None
     raise ValueError(f"data.path: {path} has an unknown format; use .jsonl, .parquet or .arrow, or a directory")
+
+
+def _jsonl_records(path: Path) -> list:
+    """The records of a JSONL file, each numbered by its line (`ROW`): a blank line is no record, but it is a line."""
+    records = []
+    with path.open("rb") as lines:
+        for line_no, line in enumerate(lines, start=1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}: row {line_no} is not UTF-8 text (byte {exc.start} of the line)") from None
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: row {line_no} is not valid JSON ({exc.msg})") from None
+            if isinstance(record, dict):
+                record[ROW] = line_no
+            records.append(record)
+    return records
 
 
 def _records(table: pa.Table, columns: list[str]) -> list[dict]:
@@ -161,7 +197,8 @@ def _rows(
     if not records:
         raise ValueError(f"data.path: {source} holds no rows")
     rows = []
-    for index, record in enumerate(records, start=1):
+    for position, record in enumerate(records, start=1):
+        index = record.get(ROW, position) if isinstance(record, dict) else position
         if not isinstance(record, dict) or prompt_key not in record:
             raise ValueError(f"{source}: row {index} has no {prompt_key!r} column (data.prompt_key)")
         prompt = record[prompt_key]
@@ -179,7 +216,7 @@ def _rows(
             raise ValueError(
                 f"{source}: row {index} has no {label_key!r} value (data.label_key; set it to null for data without labels)"
             )
-        rows.append({"prompt": prompt, "label": "" if label is None else str(label)})
+        rows.append({"prompt": prompt, "label": "" if label is None else str(label), ROW: index})
     return rows
 
 

@@ -179,7 +179,7 @@ def test_the_model_learns_to_use_the_calculator(ray_session, tmp_path, model_cac
     run_sync(config)
 
     run_dir = RunDir(config.run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(run_dir.recorded_initial_model())
+    tokenizer = AutoTokenizer.from_pretrained(run_dir.pinned_initial_model())
     rewards, tool_use = [], []
     for record in run_dir.metrics():
         table = RolloutStore(run_dir.rollouts).read(record["rollout_id"])

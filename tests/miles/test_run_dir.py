@@ -141,12 +141,24 @@ def test_metrics_lines_of_rollouts_to_be_trained_again_are_dropped(tmp_path):
     assert run_dir.keep_metrics_before(5) == kept
 
 
-def test_run_record_keeps_the_initial_model_and_every_start(tmp_path):
+def test_run_record_keeps_every_start_with_its_config(tmp_path):
     run_dir = RunDir(tmp_path)
-    assert run_dir.recorded_initial_model() is None
     run_dir.record_start({"seed": 1}, tmp_path / "model", {"rollout_id": 0})
     run_dir.record_start({"seed": 2}, tmp_path / "model", {"rollout_id": 3})
     record = json.loads((tmp_path / "run.json").read_text())
-    assert run_dir.recorded_initial_model() == tmp_path / "model"
-    assert record["config"] == {"seed": 2} and [s["rollout_id"] for s in record["starts"]] == [0, 3]
+    assert run_dir.recorded_config() == record["config"] == {"seed": 2}
+    assert [(s["rollout_id"], s["config"]) for s in record["starts"]] == [(0, {"seed": 1}), (3, {"seed": 2})]
     assert "pyarrow" in record["versions"]
+
+
+def test_the_initial_model_is_pinned_once_a_start_has_trained(tmp_path):
+    """A first start that failed before training pins nothing: a corrected model.path is taken at the next start."""
+    run_dir = RunDir(tmp_path)
+    assert run_dir.pinned_initial_model() is None
+    run_dir.record_start({"seed": 1}, tmp_path / "wrong-model", {"rollout_id": 0})
+    assert run_dir.pinned_initial_model() is None and not run_dir.has_work()
+    run_dir.rollouts.mkdir()
+    (run_dir.rollouts / "rollout_0.arrow").write_bytes(b"")
+    assert run_dir.has_work() and run_dir.pinned_initial_model() is None
+    run_dir.ledger().record(0, {"loss": 0.0})
+    assert run_dir.pinned_initial_model() == tmp_path / "wrong-model"

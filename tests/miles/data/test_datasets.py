@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from miles.config import DataConfig
-from miles.data import check_prompt_lengths, load_rows
+from miles.data import check_prompt_tokens, load_rows
 from miles.data.prompts import PromptFormatter
 from miles.envs import task_rows
 
@@ -24,6 +24,10 @@ EXPECTED = [
     {"prompt": "what is 3+4?", "label": "7"},
     {"prompt": "zero", "label": "0"},
 ]
+
+
+def _prompts_and_labels(rows: list[dict]) -> list[dict]:
+    return [{"prompt": r["prompt"], "label": r["label"]} for r in rows]
 
 
 def _config(path, prompt_key="question", label_key="answer") -> DataConfig:
@@ -51,13 +55,24 @@ def test_task_rows_when_task_is_set():
 
 def test_jsonl(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", RECORDS)
-    assert load_rows(_config(path)) == EXPECTED
+    assert _prompts_and_labels(load_rows(_config(path))) == EXPECTED
 
 
-def test_jsonl_skips_blank_lines(tmp_path):
+def test_jsonl_skips_blank_lines_and_numbers_rows_by_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("\n" + json.dumps(RECORDS[0]) + "\n   \n" + json.dumps(RECORDS[1]) + "\n\n")
-    assert load_rows(_config(path)) == EXPECTED[:2]
+    rows = load_rows(_config(path))
+    assert _prompts_and_labels(rows) == EXPECTED[:2] and [r["row"] for r in rows] == [2, 4]
+    path.write_text("\n" + json.dumps(RECORDS[0]) + "\n\n" + json.dumps({"question": ""}) + "\n")
+    with pytest.raises(ValueError, match=rf"^{path}: row 4: 'question' must be a non-empty string"):
+        load_rows(_config(path))
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(json.dumps(RECORDS[0]).encode() + b"\n" + b'{"question": "caf\xe9", "answer": 1}\n')
+    with pytest.raises(ValueError, match=rf"^{path}: row 2 is not UTF-8 text \(byte 17 of the line\)$"):
+        load_rows(_config(path))
 
 
 @pytest.mark.parametrize(
@@ -75,13 +90,13 @@ def test_missing_label_names_file_row_and_field(tmp_path, records):
 
 def test_data_without_labels_when_label_key_is_null(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"question": "q1"}, {"question": "q2", "answer": 5}])
-    assert load_rows(_config(path, label_key=None)) == [{"prompt": "q1", "label": ""}, {"prompt": "q2", "label": ""}]
+    assert _prompts_and_labels(load_rows(_config(path, label_key=None))) == [{"prompt": "q1", "label": ""}, {"prompt": "q2", "label": ""}]
 
 
 def test_parquet(tmp_path):
     path = tmp_path / "p.parquet"
     pq.write_table(_arrow_table(RECORDS), path)
-    assert load_rows(_config(path)) == EXPECTED
+    assert _prompts_and_labels(load_rows(_config(path))) == EXPECTED
 
 
 def test_arrow_ipc_file(tmp_path):
@@ -89,21 +104,21 @@ def test_arrow_ipc_file(tmp_path):
     table = _arrow_table(RECORDS)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
-    assert load_rows(_config(path)) == EXPECTED
+    assert _prompts_and_labels(load_rows(_config(path))) == EXPECTED
 
 
 def test_feather_suffix_and_upper_case_suffix(tmp_path):
     feather_path = tmp_path / "p.feather"
     feather.write_feather(_arrow_table(RECORDS), feather_path, compression="uncompressed")
-    assert load_rows(_config(feather_path)) == EXPECTED
+    assert _prompts_and_labels(load_rows(_config(feather_path))) == EXPECTED
     upper = _write_jsonl(tmp_path / "P.JSONL", RECORDS)
-    assert load_rows(_config(upper)) == EXPECTED
+    assert _prompts_and_labels(load_rows(_config(upper))) == EXPECTED
 
 
 def test_default_keys(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "label": "b"}])
     config = DataConfig(task=None, path=str(path))
-    assert load_rows(config) == [{"prompt": "a", "label": "b"}]
+    assert _prompts_and_labels(load_rows(config)) == [{"prompt": "a", "label": "b"}]
 
 
 def test_bad_json_line_names_file_and_row(tmp_path):
@@ -192,7 +207,7 @@ def test_corrupt_parquet(tmp_path):
 def test_prompts_that_fit_the_context_pass_even_when_one_fills_it_exactly(tokenizer):
     rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "12+34=", "label": "46"}]
     longest = max(len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"])
-    check_prompt_lengths(
+    check_prompt_tokens(
         rows, PromptFormatter(tokenizer, DataConfig()), max_new_tokens=4, context=longest + 4, source="task addition"
     )
 
@@ -207,7 +222,7 @@ def test_a_prompt_too_long_for_the_context_names_file_and_row(tmp_path, tokenize
     assert lengths[1] + 8 > context  # so rows 2 and 3 are both too long, and the first of them is named
 
     with pytest.raises(ValueError) as info:
-        check_prompt_lengths(
+        check_prompt_tokens(
             rows, PromptFormatter(tokenizer, DataConfig()), max_new_tokens=8, context=context, source=str(path)
         )
     assert str(info.value) == (
@@ -220,7 +235,7 @@ def test_one_token_over_the_context_is_too_long(tokenizer):
     rows = [{"prompt": "9+9=", "label": "18"}]
     length = len(tokenizer(["9+9="])["input_ids"][0])
     with pytest.raises(ValueError, match="task addition: row 1: .* exceeds the model's context"):
-        check_prompt_lengths(
+        check_prompt_tokens(
             rows, PromptFormatter(tokenizer, DataConfig()), max_new_tokens=4, context=length + 3, source="task addition"
         )
 
@@ -236,9 +251,9 @@ def _saved(tmp_path, splits: dict[str, list[dict]]):
 def test_a_directory_saved_by_datasets_reads_its_split(tmp_path):
     records = [{"question": r["question"], "answer": str(r["answer"]), "extra": r["extra"]} for r in RECORDS]
     path = _saved(tmp_path, {"train": records, "test": records[:1]})
-    assert load_rows(_config(path)) == EXPECTED  # train unless data.split says otherwise
+    assert _prompts_and_labels(load_rows(_config(path))) == EXPECTED  # train unless data.split says otherwise
     test = _config(path).model_copy(update={"split": "test"})
-    assert load_rows(test) == EXPECTED[:1]
+    assert _prompts_and_labels(load_rows(test)) == EXPECTED[:1]
     with pytest.raises(ValueError, match=r"data.split: .* has the splits \['test', 'train'\]"):
         load_rows(_config(path).model_copy(update={"split": "validation"}))
 
@@ -263,9 +278,9 @@ def test_parquet_shards_by_split_in_a_directory_or_a_glob(tmp_path):
     pq.write_table(pa.Table.from_pylist(records[:2]), shards / "train-00000-of-00002.parquet")
     pq.write_table(pa.Table.from_pylist(records[2:]), shards / "train-00001-of-00002.parquet")
     pq.write_table(pa.Table.from_pylist(records[:1]), shards / "test-00000-of-00001.parquet")
-    assert load_rows(_config(tmp_path)) == EXPECTED  # the train shards, in order
-    assert load_rows(_config(tmp_path).model_copy(update={"split": "test"})) == EXPECTED[:1]
-    assert load_rows(_config(str(shards / "train-*.parquet"))) == EXPECTED
+    assert _prompts_and_labels(load_rows(_config(tmp_path))) == EXPECTED  # the train shards, in order
+    assert _prompts_and_labels(load_rows(_config(tmp_path).model_copy(update={"split": "test"}))) == EXPECTED[:1]
+    assert _prompts_and_labels(load_rows(_config(str(shards / "train-*.parquet")))) == EXPECTED
     with pytest.raises(ValueError, match="matches no file"):
         load_rows(_config(str(shards / "dev-*.parquet")))
     (tmp_path / "empty").mkdir()
@@ -290,7 +305,7 @@ def test_a_huge_prompt_is_refused_without_being_tokenized(tmp_path, tokenizer):
 
     longest_token = max(map(len, tokenizer.get_vocab()))
     with pytest.raises(ValueError) as info:
-        check_prompt_lengths(
+        check_prompt_tokens(
             rows, PromptFormatter(Recording(), DataConfig()), max_new_tokens=4, context=32, source=str(path)
         )
     at_least = -(-5_000_000 // longest_token)
@@ -299,3 +314,15 @@ def test_a_huge_prompt_is_refused_without_being_tokenized(tmp_path, tokenizer):
         "rollout.max_new_tokens=4 it exceeds the model's context of 32 tokens (max_position_embeddings)"
     )
     assert tokenized == ["1+1="]
+
+
+def test_characters_the_tokenizer_has_no_token_for_are_refused(tmp_path, tokenizer):
+    """The embedded tokenizer maps an unknown character to its pad token, which would be trained on in its place."""
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"question": "1+1="}, {"question": "1+x=y"}])
+    rows = load_rows(_config(path, label_key=None))
+    with pytest.raises(ValueError) as info:
+        check_prompt_tokens(rows, PromptFormatter(tokenizer, DataConfig()), max_new_tokens=4, context=32, source="d")
+    assert str(info.value) == (
+        "d: row 2: the prompt holds characters the tokenizer has no token for: 'xy' (they would become its unknown "
+        "token '<pad>')"
+    )

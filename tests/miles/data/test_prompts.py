@@ -67,7 +67,7 @@ def test_a_dataset_of_messages_loads_and_bad_messages_name_file_row_and_message(
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": MESSAGES, "answer": "42"}) + "\n")
     data = DataConfig(task=None, path=str(path), prompt_key="messages", label_key="answer")
-    assert load_rows(data) == [{"prompt": MESSAGES, "label": "42"}]
+    assert load_rows(data) == [{"prompt": MESSAGES, "label": "42", "row": 1}]
 
     path.write_text(json.dumps({"messages": MESSAGES, "answer": "42"}) + "\n")
     off = data.model_copy(update={"apply_chat_template": False})
