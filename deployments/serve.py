@@ -1,6 +1,7 @@
 """Serve the RL flows as deployments from one process, each with an optional schedule.
 
     python -m deployments.serve [--config FILE] [--set a.b=value ...] [--allow-module PKG ...] [--allow-launch-settings]
+                                [--allow-root DIR ...] [--allow-ray-address ADDRESS ...]
                                 [--sync-interval SECONDS | --sync-cron EXPR] [--async-interval SECONDS | --async-cron EXPR]
                                 [--fully-async-interval SECONDS | --fully-async-cron EXPR]
                                 [--multi-lora-interval SECONDS | --multi-lora-cron EXPR]
@@ -13,8 +14,10 @@ exits; the next resumes.
 A run's config may name code by import path (`data.reward: pkg.mod:fn`, custom algorithms, environments, generate
 functions) only in `miles` and in the modules given by --allow-module, and its launch settings (the SGLang server's
 `rollout.sglang.python`, `server_module`, `extra_args`: programs a worker starts) must be the config's own unless
---allow-launch-settings is given; anything else fails before work (flows.runtime.check_deployment_run), whoever
-started the run and with whatever parameters.
+--allow-launch-settings is given. With --allow-root, the files and directories it names (run_dir, model.path, data
+paths) must lie under one of those roots; with --allow-ray-address, its ray_address must be unset or one of those.
+Anything else fails before work (flows.runtime.check_deployment_run), whoever started the run and with whatever
+parameters.
 """
 
 from __future__ import annotations
@@ -47,6 +50,22 @@ def _parser() -> argparse.ArgumentParser:
         help="a run may change the settings that choose the programs a worker starts (rollout.sglang.python, "
         "server_module, extra_args); without it they stay the config's",
     )
+    parser.add_argument(
+        "--allow-root",
+        dest="allowed_roots",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory under which a run's files may lie (run_dir, model.path, data paths); unset: anywhere",
+    )
+    parser.add_argument(
+        "--allow-ray-address",
+        dest="allowed_ray_addresses",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="a Ray cluster a run may name in ray_address; unset: any",
+    )
     for name in FLOWS:
         when = parser.add_mutually_exclusive_group()
         when.add_argument(f"--{name}-interval", type=float, metavar="SECONDS", help=f"schedule rl-{name} every SECONDS")
@@ -56,6 +75,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from flows.runtime import (
+        ALLOW_LAUNCH_VARIABLE,
+        ALLOWED_MODULES_VARIABLE,
+        ALLOWED_RAY_ADDRESSES_VARIABLE,
+        ALLOWED_ROOTS_VARIABLE,
+        PlaceNotAllowed,
+        check_allowed_places,
+        configure_prefect,
+    )
     from miles.config import ConfigError, load_config
     from miles.registry import ImportNotAllowed, check_allowed_modules
 
@@ -64,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         check_allowed_modules(
             base.import_paths(), args.allowed_modules, f"{args.config} (allow more with --allow-module)"
         )
-    except (ConfigError, ImportNotAllowed) as exc:
+        for name in FLOWS:  # each deployment's own run directory
+            check_allowed_places(
+                base.model_copy(update={"run_dir": f"{base.run_dir}-{name}"}),
+                args.allowed_roots,
+                args.allowed_ray_addresses,
+                f"{args.config} (allow more with --allow-root, --allow-ray-address)",
+            )
+    except (ConfigError, ImportNotAllowed, PlaceNotAllowed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-    from flows.runtime import ALLOW_LAUNCH_VARIABLE, ALLOWED_MODULES_VARIABLE, configure_prefect
 
     configure_prefect()
     from prefect import serve
@@ -76,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     # Served flow runs inherit this process's environment; a run cannot set it (no work pool, no job variables).
     os.environ[ALLOWED_MODULES_VARIABLE] = ",".join(args.allowed_modules)
     os.environ[ALLOW_LAUNCH_VARIABLE] = "1" if args.allow_launch_settings else "0"
+    os.environ[ALLOWED_ROOTS_VARIABLE] = ",".join(args.allowed_roots)
+    os.environ[ALLOWED_RAY_ADDRESSES_VARIABLE] = ",".join(args.allowed_ray_addresses)
 
     deployments = []
     for name, rl_flow in FLOWS.items():

@@ -99,12 +99,35 @@ def start_ephemeral_api() -> None:
 
 ALLOWED_MODULES_VARIABLE = "MILES_ALLOWED_MODULES"
 ALLOW_LAUNCH_VARIABLE = "MILES_ALLOW_LAUNCH_SETTINGS"
+ALLOWED_ROOTS_VARIABLE = "MILES_ALLOWED_ROOTS"
+ALLOWED_RAY_ADDRESSES_VARIABLE = "MILES_ALLOWED_RAY_ADDRESSES"
 
 
-def allowed_modules(env: Mapping[str, str]) -> list[str]:
-    """The modules MILES_ALLOWED_MODULES allows in `env`, comma-separated."""
-    text = env.get(ALLOWED_MODULES_VARIABLE, "")
-    return [name.strip() for name in text.split(",") if name.strip()]
+def allowed(env: Mapping[str, str], variable: str) -> list[str]:
+    """What `variable` allows in `env`: its comma-separated entries (none when it is unset)."""
+    return [name.strip() for name in env.get(variable, "").split(",") if name.strip()]
+
+
+class PlaceNotAllowed(ValueError):
+    """A deployment run names a file, directory or Ray cluster outside what its deployment allows."""
+
+
+def check_allowed_places(config, roots: list[str], ray_addresses: list[str], where: str) -> None:
+    """With allowed roots, every file and directory the config names (run_dir, model.path, data paths) lies inside
+    one of them, once symbolic links are followed; with allowed Ray addresses, ray_address is unset (a local Ray) or
+    one of them. An empty list allows anything."""
+    refused = []
+    if roots:
+        resolved_roots = [Path(root).resolve() for root in roots]
+        for field, value in config.file_paths().items():
+            if not any(Path(value).resolve().is_relative_to(root) for root in resolved_roots):
+                refused.append(f"  {field}: {value} is outside the allowed roots {', '.join(roots)}")
+    if ray_addresses and config.ray_address and config.ray_address not in ray_addresses:
+        refused.append(f"  ray_address: {config.ray_address} is not one of {', '.join(ray_addresses)}")
+    if refused:
+        raise PlaceNotAllowed(
+            f"{where}: these settings name places the deployment does not allow:\n" + "\n".join(refused)
+        )
 
 
 class LaunchNotAllowed(ValueError):
@@ -112,7 +135,8 @@ class LaunchNotAllowed(ValueError):
 
 
 def check_deployment_run(config) -> None:
-    """A flow run started from a deployment imports only the modules that deployment allows (miles.* always), and
+    """A flow run started from a deployment imports only the modules that deployment allows (miles.* always), reads
+    and writes only under the roots it allows and reaches only the Ray clusters it allows (when it names any), and
     starts only the programs its deployment starts: its launch settings (RunConfig.launch_settings: the SGLang
     server's Python, module and flags) are the deployment's own, unless the deployment allows a run to change them
     (MILES_ALLOW_LAUNCH_SETTINGS=1).
@@ -138,7 +162,10 @@ def check_deployment_run(config) -> None:
         deployment = client.read_deployment(deployment_id)
     env = (deployment.job_variables.get("env") or {}) if deployment.work_pool_name else os.environ
     where = f"deployment {context.flow.name}/{deployment.name}"
-    check_allowed_modules(config.import_paths(), allowed_modules(env), where)
+    check_allowed_modules(config.import_paths(), allowed(env, ALLOWED_MODULES_VARIABLE), where)
+    check_allowed_places(
+        config, allowed(env, ALLOWED_ROOTS_VARIABLE), allowed(env, ALLOWED_RAY_ADDRESSES_VARIABLE), where
+    )
     if env.get(ALLOW_LAUNCH_VARIABLE) == "1":
         return
     defined = RunConfig.model_validate(deployment.parameters.get("config") or {}).launch_settings()

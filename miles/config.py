@@ -19,37 +19,39 @@ from miles.train.algorithms import check_algorithm_name
 IMPORT_PATH = {"import_path": True}
 # Marks a field that chooses a program a worker starts (RunConfig.launch_settings lists them).
 LAUNCH = {"launch": True}
+# Marks a field that names a file or directory the run reads or writes (RunConfig.file_paths lists them).
+FILE_PATH = {"file_path": True}
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    def import_paths(self, prefix: str = "") -> dict[str, str]:
-        """Every 'pkg.mod:name' the config names, by field: {'data.reward': 'my_rewards:score', ...}."""
+    def marked(self, marker: dict[str, bool], prefix: str = "") -> dict[str, Any]:
+        """Every field marked `marker` (in sections, and in lists of sections), by its dotted name, with its value."""
         found = {}
         for name, info in type(self).model_fields.items():
             value = getattr(self, name)
             field = f"{prefix}{name}"
             if isinstance(value, _Section):
-                found |= value.import_paths(f"{field}.")
-            elif isinstance(value, list):
+                found |= value.marked(marker, f"{field}.")
+            elif isinstance(value, list) and value and isinstance(value[0], _Section):
                 for index, item in enumerate(value):
-                    if isinstance(item, _Section):
-                        found |= item.import_paths(f"{field}.{index}.")
-            elif info.json_schema_extra == IMPORT_PATH and isinstance(value, str) and ":" in value:
+                    found |= item.marked(marker, f"{field}.{index}.")
+            elif info.json_schema_extra == marker:
                 found[field] = value
         return found
 
-    def launch_settings(self, prefix: str = "") -> dict[str, Any]:
+    def import_paths(self) -> dict[str, str]:
+        """Every 'pkg.mod:name' the config names, by field: {'data.reward': 'my_rewards:score', ...}."""
+        return {f: v for f, v in self.marked(IMPORT_PATH).items() if isinstance(v, str) and ":" in v}
+
+    def launch_settings(self) -> dict[str, Any]:
         """Every field that chooses a program a worker starts, with its value: {'rollout.sglang.python': ..., ...}."""
-        found = {}
-        for name, info in type(self).model_fields.items():
-            value = getattr(self, name)
-            if isinstance(value, _Section):
-                found |= value.launch_settings(f"{prefix}{name}.")
-            elif info.json_schema_extra == LAUNCH:
-                found[f"{prefix}{name}"] = value
-        return found
+        return self.marked(LAUNCH)
+
+    def file_paths(self) -> dict[str, str]:
+        """Every file or directory the config names, by field: {'run_dir': ..., 'data.path': ..., ...}."""
+        return {f: v for f, v in self.marked(FILE_PATH).items() if v is not None}
 
 
 class TinyModelConfig(_Section):
@@ -78,7 +80,11 @@ class WarmupConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str | None = Field(None, description="Hugging Face model directory; unset builds the embedded tiny model")
+    path: str | None = Field(
+        None,
+        json_schema_extra=FILE_PATH,
+        description="Hugging Face model directory; unset builds the embedded tiny model",
+    )
     tiny: TinyModelConfig = TinyModelConfig()
     warmup: WarmupConfig = WarmupConfig()
 
@@ -87,6 +93,7 @@ class DataConfig(_Section):
     task: str | None = Field("addition", description="built-in task (see miles.envs); unset when `path` is given")
     path: str | None = Field(
         None,
+        json_schema_extra=FILE_PATH,
         description="prompt data: a .jsonl, .parquet or .arrow file, a directory saved by Hugging Face datasets, "
         "or a directory or glob of parquet shards",
     )
@@ -538,7 +545,7 @@ OWN_DATA_PRESET: dict[tuple[str, str], Any] = {
 
 
 class RunConfig(_Section):
-    run_dir: str = "runs/tiny"
+    run_dir: str = Field("runs/tiny", json_schema_extra=FILE_PATH)
     seed: int = 0
     num_rollout: int = Field(300, gt=0, description="total rollouts of the run (a resumed run goes on to this)")
     save_interval: int = Field(50, gt=0, description="checkpoint every N rollouts (and at the end)")

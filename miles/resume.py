@@ -20,8 +20,8 @@ class ResumePlan:
     """The latest intact checkpoint, the rollouts trained after it (re-trained from their stored files onto it, in
     order, so the trainer holds the weights it had), and from there the first rollout to train.
 
-    The replay stops before the first rollout whose stored file is gone, or after a gap in the ledger: the run
-    trains those rollouts anew.
+    The replay stops before the first rollout whose stored file is gone or damaged, or after a gap in the ledger: the
+    run trains those rollouts anew.
     """
 
     checkpoint: Path | None
@@ -36,9 +36,9 @@ class ResumePlan:
         trained = sorted(k for k in run_dir.ledger().trained if k > last_saved)
         replay: list[int] = []
         for rollout_id in trained:
-            if rollout_id != last_saved + 1 + len(replay) or not store.exists(rollout_id):
+            if rollout_id != last_saved + 1 + len(replay) or not store.intact(rollout_id):
                 log.warning(
-                    "%srollouts %s cannot be replayed (rollout %d is not stored); they will be trained anew",
+                    "%srollouts %s cannot be replayed (rollout %d is not stored, or damaged); they will be trained anew",
                     label,
                     trained[len(replay) :],
                     rollout_id,

@@ -88,7 +88,13 @@ class RunDir:
         """Every line of metrics.jsonl: iterations and evaluations."""
         if not self.metrics_path.exists():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines()]
+        records = []
+        for number, line in enumerate(self.metrics_path.read_bytes().splitlines(), start=1):
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line a crash cut short (the start rewrites the file without it)
+                log.warning("%s: line %d is cut short or damaged; it is left out", self.metrics_path, number)
+        return records
 
     def metrics(self) -> list[dict[str, Any]]:
         """The iterations' records."""
@@ -103,8 +109,10 @@ class RunDir:
         (they will be run again: the one at `rollout_id` was on the weights the run resumes with); return the rest."""
         records = self.records()
         kept = [r for r in records if r["rollout_id"] < rollout_id + is_evaluation(r)]
-        if len(kept) != len(records):
-            self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        content = self.metrics_path.read_bytes() if self.metrics_path.exists() else b""
+        if len(kept) != len(content.splitlines()) or content and not content.endswith(b"\n"):  # dropped, or cut short
+            with atomic_file(self.metrics_path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
         return kept
 
     def append_metrics(self, record: dict[str, Any]) -> None:

@@ -11,6 +11,12 @@ def rollout_seed(run_seed: int, rollout_id: int) -> int:
     return ((run_seed * 1_000_003 + rollout_id) * 1_000_033) % (2**62)
 
 
+def train_seed(run_seed: int, rollout_id: int, rank: int) -> int:
+    """The torch seed a trainer worker sets before training rollout `rollout_id` (dropout draws from it): the same
+    after a restart or a replay as in a run that never stopped, so no generator state is checkpointed."""
+    return ((run_seed * 1_000_003 + rollout_id) * 1_000_033 + rank) * 1_000_037 % (2**62)
+
+
 def adapter_run_seed(run_seed: int, adapter: str) -> int:
     """The seed of one adapter's view of the run (its data order and rollouts)."""
     return (run_seed * 1_000_003 + zlib.crc32(adapter.encode())) % 2**31

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import math
 import threading
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -19,12 +22,38 @@ from miles.rewards.scoring import clip
 from miles.rollout.generation import GenerateClient, RolloutSample, SampleRecord, resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.schema import ROLLOUT_SCHEMA, records_table, rollout_metadata, with_rollout_metadata
-from miles.rollout.store import RolloutStore
+from miles.rollout.store import DamagedRollout, RolloutStore
 from miles.seeds import rollout_seed
 from miles.train.algorithms import resolve_algorithm
 from miles.train.algorithms.dapo import equal_score_groups, overlong_penalty
 
 log = logging.getLogger(__name__)
+
+
+def scorer_identity(config: RunConfig, reward: RewardFn | object) -> str:
+    """What scores a rollout's samples, stored with it: the reward (and the environment and generate_fn, when set) by
+    its config value and a hash of the source file it comes from, so that a reward fixed in place reads as another."""
+    scorers = {"data.reward": (config.data.reward, reward)}
+    if config.rollout.env is not None:
+        from miles.envs.base import resolve_environment
+
+        scorers["rollout.env"] = (config.rollout.env, resolve_environment(config.rollout.env))
+    if config.rollout.generate_fn is not None:
+        scorers["rollout.generate_fn"] = (config.rollout.generate_fn, resolve_generate_fn(config))
+    parts = []
+    for field, (name, scorer) in scorers.items():
+        digest = _source_digest(scorer if inspect.isfunction(scorer) or inspect.isclass(scorer) else type(scorer))
+        parts.append(f"{field}={name}@{digest}")
+    return ";".join(parts)
+
+
+def _source_digest(code: object) -> str:
+    """A hash of the source file that defines `code`; "unknown" for code without one (a built-in)."""
+    try:
+        source = inspect.getsourcefile(code)
+    except TypeError:
+        source = None
+    return hashlib.sha256(Path(source).read_bytes()).hexdigest()[:12] if source else "unknown"
 
 
 class RolloutExecutor:
@@ -44,6 +73,7 @@ class RolloutExecutor:
         self.store = store
         self.client = GenerateClient(controller, tokenizer, config, reward)
         self.generate_fn = resolve_generate_fn(config)
+        self.scorer = scorer_identity(config, reward)
         self.sampling = SamplingParams(
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
@@ -60,8 +90,8 @@ class RolloutExecutor:
         algo.dynamic_sampling, further rounds of rollout_batch_size prompts are drawn (up to
         rollout.max_generate_rounds in all) until rollout_batch_size groups have differing scores. All rounds go
         into the one rollout file, written once: a retry draws the same prompts and seeds again."""
-        if self.store.exists(rollout_id):
-            table = self.store.read(rollout_id)
+        table = self._stored(rollout_id)
+        if table is not None:
             self.prompt_order.ends_at(rollout_id, int(rollout_metadata(table)["data_position_end"]))
             return summarize(table)
         cfg = self.config.rollout
@@ -89,10 +119,36 @@ class RolloutExecutor:
             algorithm=self.config.algo.advantage_estimator,
             data_position_end=end,
             generate_rounds=len(tables),
+            scorer=self.scorer,
         )
         self.store.write(rollout_id, table)
         self.prompt_order.ends_at(rollout_id, end)
         return summarize(table)
+
+    def _stored(self, rollout_id: int) -> pa.Table | None:
+        """The stored rollout, to reuse; None when there is none, or when it is set aside to be generated again: a
+        damaged file, or one scored by another scorer than the run's (a reward fixed since). Only untrained rollouts
+        are generated, so nothing trained is set aside."""
+        if not self.store.exists(rollout_id):
+            return None
+        try:
+            table = self.store.read(rollout_id)
+        except DamagedRollout as exc:
+            aside = self.store.set_aside(rollout_id, "damaged")
+            log.warning("rollout %d is generated again: %s (moved to %s)", rollout_id, exc, aside)
+            return None
+        scorer = rollout_metadata(table).get("scorer")
+        if scorer is not None and scorer != self.scorer:
+            aside = self.store.set_aside(rollout_id, "rescored")
+            log.warning(
+                "rollout %d is generated again: it was scored by %s, and the run's scorer is now %s (moved to %s)",
+                rollout_id,
+                scorer,
+                self.scorer,
+                aside,
+            )
+            return None
+        return table
 
     def _generate_round(self, rollout_id: int, start: int, round_: int) -> pa.Table:
         """One round's rollout_batch_size prompts x n_samples_per_prompt samples, produced by the generate function
@@ -137,9 +193,11 @@ class RolloutExecutor:
         return scores, table.column("group_index").to_numpy().copy()  # writable: torch shares it
 
     def get(self, rollout_id: int, trainer_version: int) -> tuple[pa.Table, dict[str, float]]:
-        """The stored rollout, ready to train: stale groups dropped, advantages from the run's estimator, trimmed to
-        a multiple of global_batch_size. Failed samples are left out first, so a group's baseline is over the rest
-        of it. With algo.dynamic_sampling, groups whose scores are all equal are left out too (and rollout_batch_size
+        """The stored rollout, ready to train: stale groups dropped, advantages from the run's estimator. Failed
+        samples are left out first, so a group's baseline is over the rest of it. Every other sample is trained on
+        (the last optimizer step takes what is left of a global batch), except that the trainer's workers take equal
+        shares: the fewest samples that make the count a multiple of train.num_workers go, as whole groups
+        (`uneven_groups`). With algo.dynamic_sampling, groups whose scores are all equal are left out too (and rollout_batch_size
         groups kept at most), unless fewer than global_batch_size samples would remain: then just enough of them stay.
         Also returns the handover's counts (staleness, dropped and filtered groups, failed samples)."""
         table, failed_samples = _without_failed(self.store.read(rollout_id))
@@ -186,17 +244,25 @@ class RolloutExecutor:
             ROLLOUT_SCHEMA.field("advantage"),
             pa.array(advantages.numpy().astype(np.float32)),
         )
-        trained = table.num_rows - table.num_rows % gbs
-        table = table.slice(0, trained)
+        uneven = uneven_groups(groups, self.config.train.num_workers)
+        keep_rows = ~np.isin(groups, uneven)
+        table, staleness, groups, equal = (
+            table.filter(pa.array(keep_rows)),
+            staleness[keep_rows],
+            groups[keep_rows],
+            equal[keep_rows],
+        )
         stats = {
-            "staleness_mean": float(staleness[:trained].mean()),
+            "staleness_mean": float(staleness.mean()),
             **_token_staleness(table, trainer_version),
             "dropped_groups": dropped_groups,
             "dropped_samples": dropped_samples,
             "failed_samples": failed_samples,
             "filtered_groups": filtered_groups,
+            "uneven_groups": len(uneven),
+            "uneven_samples": int((~keep_rows).sum()),
             # groups trained on whose scores are all equal: no signal under a group baseline
-            "zero_advantage_groups": len(np.unique(groups[:trained][equal[:trained]])),
+            "zero_advantage_groups": len(np.unique(groups[equal])),
         }
         return table, stats
 
@@ -246,6 +312,23 @@ def _check_records(records, expected: int, generate_fn: str | None) -> None:
     wrong = next((i for i, r in enumerate(records) if not isinstance(r, SampleRecord)), None)
     if wrong is not None:
         raise ValueError(f"{name}: record {wrong} is {clip(repr(records[wrong]))}, not a SampleRecord")
+
+
+def uneven_groups(groups: np.ndarray, workers: int) -> np.ndarray:
+    """The groups to leave out so that the samples left split evenly over `workers`: the fewest samples, in whole
+    groups (a subset-sum over the remainders; the later groups go first among equals)."""
+    ids, sizes = np.unique(groups, return_counts=True)
+    excess = int(sizes.sum()) % workers
+    if not excess:
+        return ids[:0]
+    # best[r]: (samples, groups) of the smallest set of groups whose size is r modulo `workers`
+    best: dict[int, tuple[int, tuple[int, ...]]] = {0: (0, ())}
+    for group, size in reversed(list(zip(ids.tolist(), sizes.tolist(), strict=True))):
+        for remainder, (total, chosen) in list(best.items()):
+            key = (remainder + size) % workers
+            if key not in best or total + size < best[key][0]:
+                best[key] = (total + size, (*chosen, group))
+    return np.array(sorted(best[excess][1]), dtype=groups.dtype)
 
 
 def _token_staleness(table: pa.Table, trainer_version: int) -> dict[str, float]:

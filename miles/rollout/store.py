@@ -34,8 +34,35 @@ class RolloutStore:
         return target
 
     def read(self, rollout_id: int) -> pa.Table:
+        """The stored rollout; DamagedRollout, naming the file, when it cannot be read as one."""
         path = self.path(rollout_id)
-        with pa.memory_map(str(path), "r") as source:
-            table = upgraded(pa.ipc.open_file(source).read_all())
-        check_schema(table, str(path))
+        try:
+            with pa.memory_map(str(path), "r") as source:
+                table = upgraded(pa.ipc.open_file(source).read_all())
+            check_schema(table, str(path))
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError) as exc:  # pa.ArrowInvalid is a ValueError
+            raise DamagedRollout(f"{path} is damaged: {exc}") from None
         return table
+
+    def intact(self, rollout_id: int) -> bool:
+        """Whether the rollout is stored and reads as one."""
+        try:
+            self.read(rollout_id)
+        except (FileNotFoundError, DamagedRollout):
+            return False
+        return True
+
+    def set_aside(self, rollout_id: int, why: str) -> Path:
+        """Move the stored rollout out of the way (into set_aside/, kept for a look), so that it is generated again."""
+        aside = self.root / "set_aside"
+        aside.mkdir(exist_ok=True)
+        number = len(list(aside.glob(f"rollout_{rollout_id}.*")))
+        target = aside / f"rollout_{rollout_id}.{why}.{number}.arrow"
+        self.path(rollout_id).rename(target)
+        return target
+
+
+class DamagedRollout(ValueError):
+    """A stored rollout file that does not read as a rollout (a torn or altered file)."""

@@ -27,6 +27,7 @@ from miles.checkpoint import (
 )
 from miles.config import RunConfig
 from miles.run_dir import RunDir
+from miles.seeds import train_seed
 from miles.tensor_payload import serialize_named_tensors
 from miles.train.logprobs import token_logprobs
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, shard_model
@@ -113,6 +114,7 @@ class TrainActor:
         driver records them in the ledger)."""
         if rollout_id in self.trained:
             return self.trained[rollout_id]
+        torch.manual_seed(train_seed(self.config.seed, rollout_id, self.rank))
         reference = None
         if self.ref_model is not None:
             reference = partial(batch_logprobs, self.ref_model, config=self.config, device=self.device)

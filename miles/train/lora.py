@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from miles.checkpoint import ADAPTER_DIR, load_optimizer, save_optimizer, write_checkpoint
 from miles.config import AdapterConfig, RunConfig
 from miles.run_dir import RunDir
-from miles.seeds import adapter_init_seed
+from miles.seeds import adapter_init_seed, train_seed
 from miles.train.update import batch_logprobs, train_on_rollout
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -108,6 +108,7 @@ class LoRATrainActor:
         adapter = self.adapters[name]
         if rollout_id in adapter.trained:
             return adapter.trained[rollout_id]
+        torch.manual_seed(train_seed(adapter.config.seed, rollout_id, rank=0))
         self.model.set_adapter(name)
         self.model.train()
         reference = None

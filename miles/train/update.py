@@ -95,12 +95,16 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
 
 def prepare_batch(table: pa.Table, config: RunConfig, pad_token_id: int) -> tuple[TrainBatch, int]:
     """Stage 1, batch preparation: the rollout as padded tensors, this rank's share of every global batch
-    (`rank_rows`), each global batch longest first; with the rows per rank of one global batch."""
+    (`rank_rows`; the last one may be short), each global batch longest first; with the rows per rank of one global
+    batch."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     batch = batch_from_table(table, pad_token_id)
     gbs = config.train.global_batch_size
-    if gbs % world:
-        raise ValueError(f"train.global_batch_size ({gbs}) must split evenly over the {world} ranks")
+    if gbs % world or len(batch) % world:
+        raise ValueError(
+            f"train.global_batch_size ({gbs}) and the rollout's {len(batch)} samples must split evenly over the "
+            f"{world} ranks"
+        )
     if world > 1:
         counts = batch.response_mask.sum(dim=1)
         batch = batch.rows(
@@ -225,14 +229,15 @@ def optimizer_step(
     device: torch.device,
     sums: dict[str, float],
 ) -> tuple[float, float]:
-    """Stage 5, one optimizer step over one global batch (this rank's `step_rows` of it): per micro-batch the
+    """Stage 5, one optimizer step over one global batch (this rank's `step_rows` of it; the rollout's last global
+    batch may be short, and its denominators are its own): per micro-batch the
     forward, the per-token advantages (stage 3, `token_advantages`), the loss (stage 4) and its backward; then the
     gradient clip and the step. Returns the step's loss and gradient norm."""
     algo = config.algo
     mask_all = batch.response_mask
-    (step_tokens,) = _all_reduce_sum([float(mask_all[step_rows].sum())])
+    step_tokens, step_sequences = _all_reduce_sum([float(mask_all[step_rows].sum()), float(len(mask_all[step_rows]))])
     scale = LossScale(
-        tokens=max(step_tokens, 1.0), sequences=config.train.global_batch_size, horizon=config.rollout.max_model_tokens
+        tokens=max(step_tokens, 1.0), sequences=int(step_sequences), horizon=config.rollout.max_model_tokens
     )
     optimizer.zero_grad(set_to_none=True)
     step_loss = 0.0
@@ -275,7 +280,8 @@ def train_on_rollout(
     pad_token_id: int,
     reference: ReferenceLogprobs | None = None,
 ) -> dict[str, float]:
-    """`num_passes` passes of samples / global_batch_size optimizer steps over the rollout; returns its metrics.
+    """`num_passes` passes of ceil(samples / global_batch_size) optimizer steps over the rollout (the last one over
+    what is left); returns its metrics.
     In stages: batch preparation -> old and reference log-probs -> per optimizer step and micro-batch, per-token
     advantages -> loss -> the optimizer step.
 

@@ -24,20 +24,21 @@ def test_embedded_model_needs_built_in_tasks(tmp_path):
         check_adapter_inputs(config)
 
 
-def test_each_adapter_gets_its_rows_and_reward(tmp_path):
+def test_each_adapter_gets_its_rows_and_reward(tmp_path, tiny_model_dir):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"q": "1+1=", "a": "2"}\n{"q": "2+2=", "a": "4"}\n')
     config = load_config(
         None,
         [
-            "model.path=/models/base",
+            f"model.path={tiny_model_dir}",
             "adapters=[{name: add, data: {task: addition}}, "
             f"{{name: mine, data: {{task: null, path: {data}, prompt_key: q, label_key: a, reward: digit_match}}}}]",
         ],
+        run_dir=str(tmp_path / "run"),
     )
     checked = check_adapter_inputs(config)
     view, rows, reward, eval_sets = checked["mine"]
-    assert rows == [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
+    assert rows == [{"prompt": "1+1=", "label": "2", "row": 1}, {"prompt": "2+2=", "label": "4", "row": 2}]
     assert reward("24", "24", True) == 1.0 and view.data.reward == "digit_match"
     assert eval_sets == []  # a data set from a path has no default evaluation
     assert len(checked["add"].rows) == 100 * 100

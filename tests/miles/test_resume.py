@@ -6,6 +6,7 @@ from miles.checkpoint import write_checkpoint
 from miles.resume import ResumePlan
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
+from tests.helpers.samples import rollout_table
 
 
 def _run_dir(tmp_path, saved: int | None, trained: list[int], stored: list[int]):
@@ -20,7 +21,7 @@ def _run_dir(tmp_path, saved: int | None, trained: list[int], stored: list[int])
     for rollout_id in trained:
         ledger.record(rollout_id, {"loss": float(rollout_id)})
     for rollout_id in stored:
-        store.path(rollout_id).write_bytes(b"")  # only its existence matters to the plan
+        store.write(rollout_id, rollout_table(rollout_id=rollout_id))
     return run_dir, store
 
 
@@ -50,3 +51,12 @@ def test_the_replay_stops_where_it_cannot_go_on_and_says_so(tmp_path, caplog, tr
         plan = ResumePlan.read(*_run_dir(tmp_path, saved=1, trained=trained, stored=stored), label="add, ")
     assert plan.replay == replay and plan.first_rollout_id == 2 + len(replay)
     assert "add, rollouts [3] cannot be replayed" in caplog.text
+
+
+def test_a_damaged_rollout_file_ends_the_replay_before_it(tmp_path, caplog):
+    run_dir, store = _run_dir(tmp_path, saved=1, trained=[0, 1, 2, 3], stored=[0, 1, 2, 3])
+    store.path(3).write_bytes(store.path(3).read_bytes()[:-20])  # its footer torn off
+    with caplog.at_level("WARNING", logger="miles.resume"):
+        plan = ResumePlan.read(run_dir, store)
+    assert plan.replay == (2,) and plan.first_rollout_id == 3
+    assert "rollouts [3] cannot be replayed (rollout 3 is not stored, or damaged)" in caplog.text

@@ -162,3 +162,16 @@ def test_the_initial_model_is_pinned_once_a_start_has_trained(tmp_path):
     assert run_dir.has_work() and run_dir.pinned_initial_model() is None
     run_dir.ledger().record(0, {"loss": 0.0})
     assert run_dir.pinned_initial_model() == tmp_path / "wrong-model"
+
+
+def test_a_metrics_line_cut_short_is_left_out_and_written_over(tmp_path, caplog):
+    run_dir = RunDir(tmp_path)
+    run_dir.append_metrics({"rollout_id": 0, "reward_mean": 0.5})
+    with run_dir.metrics_path.open("a") as f:
+        f.write('{"rollout_id": 1, "rew')  # the process was killed while writing it
+    with caplog.at_level("WARNING", logger="miles.run_dir"):
+        assert run_dir.metrics() == [{"rollout_id": 0, "reward_mean": 0.5}]
+    assert f"{run_dir.metrics_path}: line 2 is cut short or damaged" in caplog.text
+    assert run_dir.keep_metrics_before(1) == [{"rollout_id": 0, "reward_mean": 0.5}]
+    run_dir.append_metrics({"rollout_id": 1, "reward_mean": 0.6})
+    assert [r["rollout_id"] for r in run_dir.metrics()] == [0, 1]

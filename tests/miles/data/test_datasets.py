@@ -90,7 +90,10 @@ def test_missing_label_names_file_row_and_field(tmp_path, records):
 
 def test_data_without_labels_when_label_key_is_null(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"question": "q1"}, {"question": "q2", "answer": 5}])
-    assert _prompts_and_labels(load_rows(_config(path, label_key=None))) == [{"prompt": "q1", "label": ""}, {"prompt": "q2", "label": ""}]
+    assert _prompts_and_labels(load_rows(_config(path, label_key=None))) == [
+        {"prompt": "q1", "label": ""},
+        {"prompt": "q2", "label": ""},
+    ]
 
 
 def test_parquet(tmp_path):

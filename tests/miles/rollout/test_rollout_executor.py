@@ -11,9 +11,9 @@ from miles.config import RolloutConfig, load_config
 from miles.data import DataSource
 from miles.rewards import resolve_reward
 from miles.rollout.inference_controller import InferenceController
-from miles.rollout.rollout_executor import PromptOrder, RolloutExecutor
+from miles.rollout.rollout_executor import PromptOrder, RolloutExecutor, scorer_identity, uneven_groups
 from miles.rollout.schema import ROLLOUT_SCHEMA
-from miles.rollout.store import RolloutStore
+from miles.rollout.store import DamagedRollout, RolloutStore
 from miles.run_dir import RunDir
 from tests.helpers.samples import rollout_table
 
@@ -41,17 +41,18 @@ def _executor(tmp_path, global_batch_size, *overrides):
     ), store
 
 
-def test_get_normalises_per_group_and_trims_to_whole_global_batches(tmp_path):
+def test_get_normalises_per_group_and_hands_over_every_sample(tmp_path):
+    """10 samples with a global batch of 4: all of them go (the last step takes 2), none is cut off."""
     executor, store = _executor(tmp_path, global_batch_size=4)
     table = rollout_table(n=10)  # groups 0..4 of two samples, rewards alternate 0/1
     store.write(3, table)
 
     handed, stats = executor.get(3, trainer_version=5)
 
-    assert handed.num_rows == 8 and handed.schema.remove_metadata().equals(ROLLOUT_SCHEMA.remove_metadata())
-    assert handed.column("sample_index").to_pylist() == list(range(8))
+    assert handed.num_rows == 10 and handed.schema.remove_metadata().equals(ROLLOUT_SCHEMA.remove_metadata())
+    assert handed.column("sample_index").to_pylist() == list(range(10))
     # Each group is (0, 1): mean 0.5, unbiased std sqrt(0.5), so the advantages are -/+ 0.5/sqrt(0.5).
-    expected = np.tile([-0.5 / (np.sqrt(0.5) + 1e-6), 0.5 / (np.sqrt(0.5) + 1e-6)], 4)
+    expected = np.tile([-0.5 / (np.sqrt(0.5) + 1e-6), 0.5 / (np.sqrt(0.5) + 1e-6)], 5)
     np.testing.assert_allclose(handed.column("advantage").to_numpy(), expected, rtol=1e-6)
     assert stats == {
         "staleness_mean": 0.0,
@@ -62,8 +63,34 @@ def test_get_normalises_per_group_and_trims_to_whole_global_batches(tmp_path):
         "dropped_samples": 0,
         "failed_samples": 0,
         "filtered_groups": 0,
+        "uneven_groups": 0,
+        "uneven_samples": 0,
         "zero_advantage_groups": 0,
     }  # rollout_table stamps weight_version = rollout_id
+
+
+def test_get_leaves_out_the_fewest_whole_groups_that_split_unevenly_over_the_workers(tmp_path):
+    """A failed sample leaves 9 for 2 workers: the group of one goes, not half a global batch."""
+    executor, store = _executor(tmp_path, 4, "train.num_workers=2")
+    table = _with_column(rollout_table(n=10), "raw_reward", [0.0, 1.0, 0.0, 1.0, None, 1.0, 0.0, 1.0, 0.0, 1.0])
+    store.write(0, _with_column(table, "status", ["completed"] * 4 + ["failed"] + ["completed"] * 5))
+    handed, stats = executor.get(0, trainer_version=0)
+    assert handed.column("sample_index").to_pylist() == [0, 1, 2, 3, 6, 7, 8, 9]
+    assert (stats["failed_samples"], stats["uneven_groups"], stats["uneven_samples"]) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("groups", "workers", "left_out"),
+    [
+        ([0, 0, 1, 1, 1, 2, 2], 2, [1]),  # 7 samples: the one odd group goes
+        ([0, 0, 0, 1, 1, 1, 1, 2, 2], 4, [0, 2]),  # sizes 3, 4, 2: 9 = 1 mod 4, and 3 + 2 is the least that is
+        ([0, 0, 0, 1, 2, 2, 2, 2, 2], 4, [1]),  # sizes 3, 1, 5: the group of one, not the group of five
+        ([0, 1, 2], 2, [2]),  # three groups of one: the last goes
+        ([0, 1, 1, 2, 2, 2], 3, []),
+    ],
+)
+def test_uneven_groups_are_the_fewest_samples(groups, workers, left_out):
+    assert uneven_groups(np.array(groups), workers).tolist() == left_out
 
 
 def test_get_bounds_the_staleness_of_every_token(tmp_path):
@@ -251,6 +278,52 @@ def test_a_rollout_whose_rewards_all_fail_is_stored_but_not_handed_over(tmp_path
     assert executor.generate(0) == pytest.approx(summary, nan_ok=True)  # the stored rollout is reused
     with pytest.raises(ValueError, match="has 0 samples after excluding 14 failed samples"):
         executor.get(0, trainer_version=0)
+
+
+def test_an_untrained_rollout_scored_by_another_reward_is_generated_again(tmp_path, controller, tokenizer, caplog):
+    """The user fixed a reward that failed every sample and reran: the stored rollout is not reused as it was."""
+    failing, store = _generating_executor(
+        tmp_path, controller, tokenizer, "tests.miles.rollout.rewards_for_tests:always_raises"
+    )
+    assert failing.generate(0)["failed_samples"] == 14
+    fixed, _ = _generating_executor(
+        tmp_path, controller, tokenizer, "tests.miles.rollout.rewards_for_tests:fails_on_some_labels"
+    )
+    with caplog.at_level(logging.WARNING, logger="miles.rollout.rollout_executor"):
+        assert fixed.generate(0)["failed_samples"] == 10
+    assert (
+        "rollout 0 is generated again: it was scored by data.reward=tests.miles.rollout.rewards_for_tests:always_raises@"
+        in caplog.text
+    )
+    assert [p.name for p in (store.root / "set_aside").iterdir()] == ["rollout_0.rescored.0.arrow"]
+    assert fixed.generate(0)["failed_samples"] == 10  # its own rollout is reused
+
+
+def test_a_reward_changed_in_place_is_another_scorer(tmp_path, monkeypatch):
+    module = tmp_path / "my_reward.py"
+    module.write_text("def score(response, label, finished):\n    return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(None, ["data.reward=my_reward:score"])
+    before = scorer_identity(config, resolve_reward(config.data.reward))
+    module.write_text("def score(response, label, finished):\n    return 1.0\n")
+    after = scorer_identity(config, resolve_reward(config.data.reward))
+    assert before.startswith("data.reward=my_reward:score@") and after.startswith("data.reward=my_reward:score@")
+    assert before != after
+
+
+def test_a_damaged_untrained_rollout_is_set_aside_and_generated_again(tmp_path, controller, tokenizer, caplog):
+    executor, store = _generating_executor(tmp_path, controller, tokenizer, "digit_match")
+    summary = executor.generate(0)
+    content = store.path(0).read_bytes()
+    store.path(0).write_bytes(content[: len(content) // 2])
+    with pytest.raises(DamagedRollout, match=rf"^{store.path(0)} is damaged: "):
+        store.read(0)
+    again, _ = _generating_executor(tmp_path, controller, tokenizer, "digit_match")
+    with caplog.at_level(logging.WARNING, logger="miles.rollout.rollout_executor"):
+        assert again.generate(0) == summary  # the same seeds draw the same samples
+    assert f"rollout 0 is generated again: {store.path(0)} is damaged" in caplog.text
+    assert (store.root / "set_aside" / "rollout_0.damaged.0.arrow").read_bytes() == content[: len(content) // 2]
+    assert store.read(0).num_rows == 14
 
 
 def test_an_interrupt_in_the_reward_function_stops_generate(tmp_path, controller, tokenizer):

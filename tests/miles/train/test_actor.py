@@ -173,3 +173,38 @@ def test_weight_files_are_written_in_the_dtype_the_engines_serve(small_config, b
     written = Path(actor.write_weights(str(tmp_path / "fp32"), "float32"))
     assert {t.dtype for t in _stored(written).values()} == {torch.float32}
     assert json.loads((written / "config.json").read_text())["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_the_last_step_takes_what_is_left_of_a_global_batch(
+    small_config, tiny_model_dir, tmp_path, rollout, aggregation
+):
+    """16 samples with a global batch of 12: two steps, the second over 4 samples with its own denominators, as if
+    those 4 were a rollout of their own (the engine's log-probs as the old policy make the steps independent)."""
+    options = ["rollout.rollout_batch_size=3", "rollout.n_samples_per_prompt=4", "train.global_batch_size=12"]
+    options += ["algo.use_rollout_logprobs=true", f"algo.loss_aggregation={aggregation}"]
+    whole = _actor(small_config, tiny_model_dir, tmp_path / "a", *options)
+    parts = _actor(small_config, tiny_model_dir, tmp_path / "b", *options)
+    assert whole.train(0, rollout)["optimizer_steps"] == 2
+    parts.train(0, rollout.slice(0, 12))
+    assert parts.train(1, rollout.slice(12))["optimizer_steps"] == 1
+    for name, value in whole.weights().items():
+        torch.testing.assert_close(parts.weights()[name], value, atol=1e-6, rtol=1e-5)
+
+
+def test_dropout_draws_the_same_numbers_whatever_came_before(small_config, tiny_model_dir, tmp_path, rollout):
+    """A trainer restarted from a checkpoint has drawn nothing yet; one that never stopped has drawn a lot: each
+    rollout's training draws from its own seed, so both step alike."""
+    with_dropout = tmp_path / "model"
+    with_dropout.mkdir()
+    for file in tiny_model_dir.iterdir():
+        (with_dropout / file.name).write_bytes(file.read_bytes())
+    config = json.loads((with_dropout / "config.json").read_text())
+    (with_dropout / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    fresh = _actor(small_config, with_dropout, tmp_path / "a")
+    long_running = _actor(small_config, with_dropout, tmp_path / "b")
+    torch.rand(1000)  # what the long-running one drew before
+    fresh_metrics, long_metrics = fresh.train(3, rollout), long_running.train(3, rollout)
+    assert fresh_metrics["loss"] == long_metrics["loss"]
+    for name, value in fresh.weights().items():
+        assert torch.equal(long_running.weights()[name], value)
