@@ -95,8 +95,11 @@ def latest_checkpoint(root: Path) -> Path | None:
     if not root.is_dir():
         return None
     for checkpoint in sorted((p for p in root.iterdir() if p.name.isdigit()), key=lambda p: int(p.name), reverse=True):
+        if _found_intact(checkpoint) in _INTACT:
+            return checkpoint
         problem = checkpoint_problem(checkpoint)
         if problem is None:
+            _INTACT.add(_found_intact(checkpoint))
             return checkpoint
         aside = root / f"damaged-{checkpoint.name}-{int(time.time())}"
         os.replace(checkpoint, aside)
@@ -104,6 +107,20 @@ def latest_checkpoint(root: Path) -> Path | None:
             "checkpoint %s is damaged (%s); set aside as %s, using the one before it", checkpoint, problem, aside.name
         )
     return None
+
+
+# A committed checkpoint is never written again: one found intact is not hashed again by this process (a start reads
+# it for its plan, for the trainer's restore, and again at each trainer restart; a 7B model with Adam state is ~84 GB).
+# Keyed by the checksums file's identity as well, so a checkpoint replaced under the same name is checked anew.
+_INTACT: set[tuple[str, int, int]] = set()
+
+
+def _found_intact(checkpoint: Path) -> tuple[str, int, int]:
+    try:
+        stat = (checkpoint / CHECKSUMS_FILE).stat()
+    except OSError:
+        return (str(checkpoint), -1, -1)
+    return (str(checkpoint.resolve()), stat.st_ino, stat.st_mtime_ns)
 
 
 def checkpoint_problem(checkpoint: Path) -> str | None:

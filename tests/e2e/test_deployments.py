@@ -128,6 +128,8 @@ def served(tmp_path_factory, tiny_model_dir, database):
                 str(config_file),
                 "--allow-module",
                 ALLOWED_REWARDS.partition(":")[0],
+                "--allow-root",
+                str(tmp_path.parent),  # every test's and the model's directories
             ],
             env,
             tmp_path / "serve.log",
@@ -225,6 +227,13 @@ def test_a_deployment_run_imports_only_what_the_deployment_allows(served, tmp_pa
     ) in refused["state"]["message"]
     assert not (tmp_path / "refused").exists()  # refused before the run directory, the actors or the engines
 
+    params["data"]["reward"] = ALLOWED_REWARDS
+    params["run_dir"] = "/var/tmp/elsewhere"
+    refused = httpx.get(f"{api}/flow_runs/{_deployment_run(env, params, expect_success=False)}").json()
+    assert refused["state_type"] == "FAILED"
+    assert "  run_dir: /var/tmp/elsewhere is outside the allowed roots" in refused["state"]["message"]
+    assert not Path("/var/tmp/elsewhere").exists()
+
     params.update(run_dir=str(tmp_path / "allowed"))
     params["data"]["reward"] = ALLOWED_REWARDS
     allowed = httpx.get(f"{api}/flow_runs/{_deployment_run(env, params)}").json()
@@ -246,6 +255,13 @@ def test_a_deployment_run_starts_only_the_programs_the_deployment_starts(served,
     assert "rollout.sglang.extra_args: ['-c', 'id'] (the deployment's: [])" in message
     assert "server_module" not in message  # unchanged, so not named
     assert not (tmp_path / "refused").exists()  # refused before the run directory, the actors or the engines
+
+    params["data"]["reward"] = ALLOWED_REWARDS
+    params["run_dir"] = "/var/tmp/elsewhere"
+    refused = httpx.get(f"{api}/flow_runs/{_deployment_run(env, params, expect_success=False)}").json()
+    assert refused["state_type"] == "FAILED"
+    assert "  run_dir: /var/tmp/elsewhere is outside the allowed roots" in refused["state"]["message"]
+    assert not Path("/var/tmp/elsewhere").exists()
 
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from flows.runtime import SERVER_NICENESS
 from tests.helpers.waiting import eventually
@@ -57,3 +58,29 @@ def test_the_ephemeral_api_server_idles_leaves_the_process_group_and_dies_with_i
         assert eventually(lambda: not _alive(server_pid), timeout_s=15, every_s=0.2)
     finally:
         parent.kill()
+
+
+def test_a_deployment_can_restrict_paths_to_roots_and_ray_to_its_clusters(tmp_path):
+    from flows.runtime import PlaceNotAllowed, check_allowed_places
+    from miles.config import load_config
+
+    root = tmp_path / "runs"
+    (root / "data").mkdir(parents=True)
+    (root / "escape").symlink_to("/etc")
+    inside = load_config(None, [f"model.path={root / 'model'}"], run_dir=str(root / "a"))
+    check_allowed_places(inside, [str(root)], ["10.0.0.1:6379"], "deployment rl-sync/tiny")
+    check_allowed_places(inside.model_copy(update={"run_dir": "/anywhere"}), [], [], "anywhere")  # nothing restricted
+    outside = load_config(
+        None,
+        [f"model.path={root / 'escape' / 'model'}", "data.task=null", "data.path=/etc/passwd", "ray_address=evil:1"],
+        run_dir=str(root / ".." / "b"),
+    )
+    with pytest.raises(PlaceNotAllowed) as info:
+        check_allowed_places(outside, [str(root)], ["10.0.0.1:6379"], "deployment rl-sync/tiny")
+    assert str(info.value).splitlines() == [
+        "deployment rl-sync/tiny: these settings name places the deployment does not allow:",
+        f"  run_dir: {root / '..' / 'b'} is outside the allowed roots {root}",
+        f"  model.path: {root / 'escape' / 'model'} is outside the allowed roots {root}",
+        f"  data.path: /etc/passwd is outside the allowed roots {root}",
+        "  ray_address: evil:1 is not one of 10.0.0.1:6379",
+    ]

@@ -4,6 +4,7 @@ checksums. (Saving with N ranks and loading with M is tested in tests/miles/trai
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -133,6 +134,23 @@ def test_latest_checkpoint_picks_highest_numeric(tmp_path):
     latest = latest_checkpoint(RunDir(tmp_path).checkpoints)
     assert latest == RunDir(tmp_path).checkpoint(10)
     assert read_state(latest) == {"rollout_id": 10}
+
+
+def test_a_checkpoint_is_hashed_once_per_process(tmp_path, monkeypatch):
+    """A start reads the latest checkpoint for its plan and for the trainer's restore, and again at each trainer
+    restart: its files are hashed the first time only, unless it is replaced."""
+    _complete(tmp_path, 1)
+    hashed: list[str] = []
+    real = ckpt._sha256
+    monkeypatch.setattr(ckpt, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    for _ in range(3):
+        assert latest_checkpoint(RunDir(tmp_path).checkpoints) == RunDir(tmp_path).checkpoint(1)
+    assert sorted(hashed) == ["state.json", "weights.bin"]
+    shutil.rmtree(RunDir(tmp_path).checkpoint(1))
+    _complete(tmp_path, 1)  # another checkpoint under the same name
+    hashed.clear()
+    assert latest_checkpoint(RunDir(tmp_path).checkpoints) == RunDir(tmp_path).checkpoint(1)
+    assert sorted(hashed) == ["state.json", "weights.bin"]
 
 
 def test_checkpoint_carries_checksums_of_every_file(tmp_path):
