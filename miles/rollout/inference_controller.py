@@ -56,6 +56,11 @@ class InferenceController:
         self._engine_args = self.engine_class.launch_args(model_dir, weight_version, rollout, adapters)
         self.ranks_per_engine = self.engine_class.ranks(rollout)
         self._engine_options = actor_options(rollout.device, self.ranks_per_engine, ENGINE_CONCURRENCY)
+        if self._engine_options.get("num_gpus") and not ray.cluster_resources().get("GPU"):
+            # Ray would keep the engines pending, silently, until a GPU joins the cluster.
+            raise ValueError(
+                f"rollout.device={rollout.device}: the Ray cluster has no GPU (its resources: {ray.cluster_resources()})"
+            )
         self.timeout_s = rollout.engine_timeout_s
         self._weight_version = weight_version
         self._push: WeightPush | None = None  # the last full-weight push, for engines restarted after it

@@ -17,6 +17,7 @@ SCRIPTS = sorted(path.stem for path in (PROJECT / "benchmarks").glob("*.py") if 
 # The name on each script's last line, `<name> <value>`.
 FIGURES = {
     "async_vs_sync": "speedup",
+    "chaos": "chaos_kills",
     "engine_throughput": "engine_speedup",
     "episodes": "episode_batching_speedup",
     "fully_async_vs_sync": "fully_async_speedup",
@@ -37,7 +38,7 @@ FIGURES = {
     "weight_sync": "weight_sync_speedup",
 }
 # The smoke runs of half a minute to a minute on 2 cores: each starts a Prefect API and Ray workers, startup the CLI.
-SLOW = {"async_vs_sync", "gpu_tag", "long_run", "orchestration_overhead", "startup"}
+SLOW = {"async_vs_sync", "chaos", "gpu_tag", "long_run", "orchestration_overhead", "startup"}
 
 
 def _benchmark(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

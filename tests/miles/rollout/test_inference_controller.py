@@ -317,3 +317,9 @@ def test_a_long_generation_reports_its_progress(ray_session, tiny_model_dir, tok
     # shorter requests finish first: the n done hold the n shortest results' tokens
     lengths = sorted(len(r.output_ids) for r in results)
     assert all(tokens == sum(lengths[:finished]) for finished, tokens in done)
+
+
+def test_engines_on_cuda_in_a_cluster_without_a_gpu_are_refused_at_once(ray_session, tiny_model_dir):
+    """Ray would keep them pending until a GPU joins; a cluster run (no local check) is told at once."""
+    with pytest.raises(ValueError, match=r"^rollout.device=cuda: the Ray cluster has no GPU \(its resources: "):
+        InferenceController(str(tiny_model_dir), 0, RolloutConfig(device="cuda"))
