@@ -11,6 +11,7 @@ parameter, with no copy at either end).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -43,16 +44,19 @@ class WeightGroup:
         return body | {"rank_offset": rank_offset}
 
 
+def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The TCP store a process group meets at, held by rank 0 at host:port. Rank 0 listens on `host` alone: torch's
+    own store (an init_method of tcp://) listens on every interface of the machine."""
+    if rank:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    listener = socket.create_server((host, port))
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.detach())
+
+
 def join(group: WeightGroup, rank: int) -> dist.ProcessGroup:
     """Join `group` as `rank`; blocks until every rank has joined."""
-    store, _, _ = next(
-        c10d.rendezvous(
-            f"tcp://{group.master_address}:{group.master_port}",
-            rank,
-            group.world_size,
-            timeout=timedelta(seconds=group.timeout_s),
-        )
-    )
+    timeout = timedelta(seconds=group.timeout_s)
+    store = rendezvous_store(group.master_address, group.master_port, rank, group.world_size, timeout)
     process_group, _ = c10d._new_process_group_helper(
         group.world_size,
         rank,
@@ -60,7 +64,7 @@ def join(group: WeightGroup, rank: int) -> dist.ProcessGroup:
         dist.Backend(group.backend),
         dist.PrefixStore(group.group_name, store),
         group_name=group.group_name,
-        timeout=timedelta(seconds=group.timeout_s),
+        timeout=timeout,
     )
     c10d._world.pg_group_ranks[process_group] = {i: i for i in range(group.world_size)}
     return process_group

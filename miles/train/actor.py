@@ -33,7 +33,7 @@ from miles.train.logprobs import token_logprobs
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, shard_model
 from miles.train.update import batch_logprobs, train_on_rollout
 from miles.weight_check import WeightProbe, probe_ids
-from miles.weight_group import Membership, TensorSpec, WeightGroup, send_bucket
+from miles.weight_group import Membership, TensorSpec, WeightGroup, rendezvous_store, send_bucket
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ class TrainActor:
             )
         if train.sharded:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(
-                backend, init_method=f"tcp://{rendezvous}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
-            )
+            host, port = rendezvous.rsplit(":", 1)
+            store = rendezvous_store(host, int(port), rank, world_size, COLLECTIVE_TIMEOUT)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         source = Path(checkpoint) / MODEL_DIR if checkpoint else Path(model_dir)
         # The model's own dtype, which checkpoints and weight files keep; the trainer holds float32 master weights
         # (saved with the optimizer state where the model's dtype is narrower).

@@ -61,3 +61,26 @@ def test_a_torch_engine_receives_a_broadcast_joins_once_and_moves_to_a_new_group
     finally:
         sender.close()
         ray.kill(engine)
+
+
+def test_the_rendezvous_listens_on_its_host_alone():
+    """torch's tcp:// store listens on every interface; ours on the address the group is given."""
+    import os
+    import socket
+    from datetime import timedelta
+
+    import psutil
+
+    from miles.weight_group import rendezvous_store
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = rendezvous_store("127.0.0.1", port, 0, 1, timedelta(seconds=10))
+    store.set("k", "v")
+    listening = [
+        c.laddr
+        for c in psutil.Process(os.getpid()).net_connections("tcp")
+        if c.status == "LISTEN" and c.laddr.port == port
+    ]
+    assert listening and all(address.ip == "127.0.0.1" for address in listening)
