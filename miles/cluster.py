@@ -5,11 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 
 log = logging.getLogger(__name__)
 
@@ -17,19 +22,96 @@ HEALTH_TIMEOUT_S = 30.0
 
 
 def ensure_ray(address: str | None, actors: int) -> None:
-    """Attach to `address`, or start a local Ray sized so that every actor of the run gets a CPU slot."""
+    """Attach to `address`, or start a local Ray sized so that every actor of the run gets a CPU slot.
+
+    A local Ray is always a new one (never a cluster recorded on the machine or named by RAY_ADDRESS), listens on
+    loopback only, and none of its processes outlives this one, however this one ends."""
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:
+        return
+    mark = f"{RUN_MARK}={uuid.uuid4().hex}"
+    _start_reaper(mark)
+    with _local_ray_environment(mark):
         ray.init(
+            address="local",  # None would attach to a cluster recorded in /tmp/ray or named by RAY_ADDRESS
             num_cpus=max(os.cpu_count() or 1, actors),
-            _node_ip_address="127.0.0.1",
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=False,
         )
+
+
+RUN_MARK = "MILES_RAY_RUN"  # NAME=id in the environment of every process of one local Ray: what its reaper kills
+CLUSTER_MODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextmanager
+def _local_ray_environment(mark: str) -> Iterator[None]:
+    """While Ray starts: the run's mark in the environment its processes inherit, and Ray's cluster mode off.
+
+    With cluster mode on (Linux's default) Ray replaces a loopback node address by the machine's external one, and
+    its servers bind the node address (gRPC on every interface unless that address is loopback). Off, the node
+    address is loopback. Ray reads the flag at import: it is set in this process's copy and in the environment of
+    the processes Ray starts."""
+    name, value = mark.split("=", 1)
+    changes = {name: value, CLUSTER_MODE: "0"}
+    saved = {name: os.environ.get(name) for name in changes}
+    saved_cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ.update(changes)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_cluster_mode
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# Ray kills the processes the driver starts itself (GCS, raylet, monitors) when the driver dies, but not those the
+# raylet starts: its dashboard and runtime-env agents outlive a SIGKILLed driver by a minute or more (hung reporting
+# the raylet's death to the dead GCS), and so would anything an actor started. The reaper, in a session of its own,
+# waits for its parent (the driver) to die, then kills every process whose environment carries the run's mark,
+# whoever its parent is by then. It polls its parent's id rather than waiting for a pipe's end: a child the driver
+# forks would hold the pipe open.
+_REAPER = r"""
+import os, signal, sys, time
+driver, mark = int(sys.argv[1]), b"\0" + sys.argv[2].encode() + b"\0"
+while os.getppid() == driver:
+    time.sleep(0.2)
+for _ in range(100):
+    found = False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if mark not in b"\0" + environ.read():
+                    continue
+            os.kill(int(pid), signal.SIGKILL)
+            found = True
+        except OSError:
+            pass
+    if not found:
+        break
+    time.sleep(0.1)
+"""
+_reapers: list[subprocess.Popen] = []  # held: a running child's Popen that is collected warns
+
+
+def _start_reaper(mark: str) -> None:
+    if not sys.platform.startswith("linux"):  # it reads /proc
+        return
+    reaper = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _REAPER, str(os.getpid()), mark],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a signal to the driver's process group or terminal does not reach it
+    )
+    _reapers.append(reaper)
 
 
 def free_address() -> tuple[str, int]:

@@ -2,7 +2,7 @@
 
     <run_dir>/
         run.json            the config, the starting model, package versions, one entry per start
-        run.lock            the pid of the process training the run
+        run.lock            the lease of the process training the run (miles.run_lock)
         ledger.jsonl        the rollouts trained, with their metrics, a line each
         metrics.jsonl       one line per finished iteration and per evaluation of an eval data set
         rollouts/           rollout_<id>.arrow (RolloutStore)
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.atomic import atomic_file, write_json_atomic
+from miles.run_lock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class RunDir:
         return self
 
     def lock(self) -> RunLock:
-        return RunLock(self.path / "run.lock")
+        return RunLock(self.lock_path)
 
     def ledger(self) -> Ledger:
         """The ledger as it is on disk now (the trainer actor writes it from its own process)."""
@@ -219,49 +220,3 @@ class Ledger:
             if self.older is not None:
                 self.older.unlink(missing_ok=True)  # its entries are in the new file now
         return lost
-
-
-class RunLock:
-    """run.lock holds the pid of the process training the run; a second process is refused.
-
-    A lock whose pid is dead (a killed process) is taken over with a warning.
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        while True:
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is not None and _alive(holder):
-                    message = f"{self.path.parent} is being trained by process {holder} (lock {self.path})"
-                    raise RuntimeError(message) from None
-                log.warning("taking over the stale lock %s of process %s", self.path, holder)
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
-            return
-
-    def _holder(self) -> int | None:
-        try:
-            return int(self.path.read_text().strip())
-        except (OSError, ValueError):
-            return None
-
-    def release(self) -> None:
-        if self._holder() == os.getpid():
-            self.path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

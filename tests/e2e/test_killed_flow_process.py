@@ -94,7 +94,7 @@ def test_killed_flow_process_resumes_at_the_right_rollout(ray_session, tmp_path,
         first.wait(30)
 
     assert sorted(RunDir(run_dir).ledger().trained) == [0, 1, 2]  # killed before rollout 3 was trained
-    assert (run_dir / "run.lock").read_text() == str(first.pid)  # a stale lock: its process is dead
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] == first.pid  # a stale lock: its process is dead
     generated_at = rollout_3.stat().st_mtime_ns
 
     again = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

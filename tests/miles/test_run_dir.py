@@ -1,47 +1,9 @@
-"""RunDir: the layout of a run directory, its metrics, run record, ledger and lock."""
+"""RunDir: the layout of a run directory, its metrics, run record and ledger (its lock: test_run_lock.py)."""
 
 import json
-import logging
-import os
-import subprocess
-import sys
-
-import pytest
 
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
-
-
-def test_second_holder_is_refused_until_release(tmp_path):
-    lock = RunDir(tmp_path).lock()
-    assert (tmp_path / "run.lock").read_text() == str(os.getpid())
-    with pytest.raises(RuntimeError, match=f"being trained by process {os.getpid()}"):
-        RunDir(tmp_path).lock()
-    lock.release()
-    assert not (tmp_path / "run.lock").exists()
-    RunDir(tmp_path).lock().release()
-
-
-def test_lock_of_a_live_other_process_is_refused(tmp_path):
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        (tmp_path / "run.lock").write_text(str(sleeper.pid))
-        with pytest.raises(RuntimeError, match=str(sleeper.pid)):
-            RunDir(tmp_path).lock()
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-
-
-def test_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, caplog):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / "run.lock").write_text(dead.stdout.strip())
-    with caplog.at_level(logging.WARNING, logger="miles.run_dir"):
-        lock = RunDir(tmp_path).lock()
-    assert (tmp_path / "run.lock").read_text() == str(os.getpid())
-    assert "stale lock" in caplog.text and dead.stdout.strip() in caplog.text
-    lock.release()
-
 
 # ---------------------------------------------------------------- ledger
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from decimal import Decimal
 
+import psutil
 import pytest
 
-from miles.rewards import resolve_reward
+from miles.rewards import resolve_reward, verifiers
+from miles.rewards.scoring import RewardScorer
 from miles.rewards.verifiers import final_number, gsm8k_answer, math_answer
+
+# math-verify works on this tower far longer than these tests' bounds when comparing it with a number
+POWER_TOWER = r"\boxed{9^{9^{9^{9}}}}"
 
 
 @pytest.mark.parametrize(
@@ -49,6 +57,49 @@ def test_math_scores_a_cut_response_zero_and_an_unparsable_label_is_an_error():
     assert math_answer(r"\boxed{2}", "2", False) == 0.0
     with pytest.raises(ValueError, match="not an expression"):
         math_answer(r"\boxed{2}", "", True)
+
+
+def _cpu_seconds_used_over(seconds: float) -> float:
+    """CPU time this process and its child processes use in the next `seconds`."""
+
+    def used() -> dict[int, float]:
+        me = psutil.Process()
+        return {p.pid: sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)]}
+
+    before = used()
+    time.sleep(seconds)
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in used().items())
+
+
+def test_a_math_check_past_its_bound_fails_and_leaves_nothing_running(monkeypatch):
+    monkeypatch.setattr(verifiers, "MATH_VERIFY_TIMEOUT_S", 1)
+    started = time.monotonic()
+    rewards, failures = RewardScorer(math_answer, 5, 1).score([POWER_TOWER], ["2"], [True])
+    assert time.monotonic() - started < 4  # the check's bound stopped it, not the scorer's
+    assert rewards == [None]
+    assert failures == [
+        (0, "raised TimeoutError: math-verify took over 1 s (MATH_VERIFY_TIMEOUT_S); its worker process was killed")
+    ]
+    assert _cpu_seconds_used_over(2.0) < 0.5  # no thread or process goes on evaluating the tower
+
+
+def test_a_stuck_math_check_holds_up_neither_the_others_nor_later_ones(monkeypatch):
+    monkeypatch.setattr(verifiers, "MATH_VERIFY_TIMEOUT_S", 1)
+    responses = [r"\boxed{1/2}", POWER_TOWER, r"\boxed{x^2+2x+1}", r"\boxed{3}", r"\boxed{\{1,2\}}"]
+    labels = ["0.5", "2", "(x+1)^2", "2", r"\{2,1\}"]
+    rewards, failures = RewardScorer(math_answer, 5, 4).score(responses, labels, [True] * 5)
+    assert rewards == [1.0, None, 1.0, 0.0, 1.0]
+    assert [index for index, _ in failures] == [1] and "MATH_VERIFY_TIMEOUT_S" in failures[0][1]
+    assert math_answer(r"\boxed{1/2}", "0.5", True) == 1.0
+
+
+def test_math_checks_go_on_after_an_idle_worker_dies():
+    assert math_answer(r"\boxed{1/2}", "0.5", True) == 1.0
+    me = psutil.Process()
+    worker = next(p for p in me.children() if p.cmdline() == me.cmdline())  # a forked copy of this process
+    os.kill(worker.pid, signal.SIGKILL)
+    time.sleep(0.5)  # pebble notices and gives up its pool
+    assert math_answer(r"\boxed{1/2}", "0.5", True) == 1.0
 
 
 @pytest.mark.parametrize(
