@@ -75,22 +75,47 @@ def _local_ray_environment(mark: str) -> Iterator[None]:
 # Ray kills the processes the driver starts itself (GCS, raylet, monitors) when the driver dies, but not those the
 # raylet starts: its dashboard and runtime-env agents outlive a SIGKILLed driver by a minute or more (hung reporting
 # the raylet's death to the dead GCS), and so would anything an actor started. The reaper, in a session of its own,
-# waits for its parent (the driver) to die, then kills every process whose environment carries the run's mark,
-# whoever its parent is by then. It polls its parent's id rather than waiting for a pipe's end: a child the driver
-# forks would hold the pipe open.
+# notes the driver's descendants (pid and start time) while it waits for the driver to die, then kills them and every
+# process whose environment carries the run's mark, whoever its parent is by then (a process title may overwrite
+# the environment a process shows in /proc, so the mark alone misses some). It polls its parent's id rather than
+# waiting for a pipe's end: a child the driver forks would hold the pipe open.
 _REAPER = r"""
 import os, signal, sys, time
 driver, mark = int(sys.argv[1]), b"\0" + sys.argv[2].encode() + b"\0"
-while os.getppid() == driver:
-    time.sleep(0.2)
-for _ in range(100):
-    found = False
+
+def stat(pid):
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return int(fields[1]), fields[19]  # parent, start time
+
+def processes():
+    found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/environ", "rb") as environ:
-                if mark not in b"\0" + environ.read():
-                    continue
-            os.kill(int(pid), signal.SIGKILL)
+            found[int(pid)] = stat(pid)
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+seen = {}  # pid -> start time of the driver's descendants, as last seen
+while os.getppid() == driver:
+    table = processes()
+    tree = {driver}
+    for _ in range(8):  # the tree is shallow: driver, raylet, agents and workers, their children
+        tree |= {pid for pid, (parent, _) in table.items() if parent in tree}
+    seen.update({pid: table[pid][1] for pid in tree - {driver, os.getpid()} if pid in table})
+    time.sleep(0.5)
+for _ in range(100):
+    found = False
+    for pid, (_, started) in processes().items():
+        if pid == os.getpid():
+            continue
+        try:
+            if seen.get(pid) != started:
+                with open(f"/proc/{pid}/environ", "rb") as environ:
+                    if mark not in b"\0" + environ.read():
+                        continue
+            os.kill(pid, signal.SIGKILL)
             found = True
         except OSError:
             pass
