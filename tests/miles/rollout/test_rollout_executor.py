@@ -181,6 +181,8 @@ def test_failed_samples_are_left_out_before_staleness_and_advantages(tmp_path):
         "dropped_samples": 0,
         "failed_samples": 2,
         "filtered_groups": 0,
+        "uneven_groups": 0,
+        "uneven_samples": 0,
         "zero_advantage_groups": 1,  # group 2: rewards (0, 0)
     }
     pair = 0.5 / (np.sqrt(0.5) + 1e-6)  # rewards (0, 1): mean 0.5, unbiased std sqrt(0.5)
@@ -394,8 +396,8 @@ def test_dynamic_sampling_keeps_just_enough_equal_groups_for_one_global_batch(tm
 
     handed, stats = executor.get(0, trainer_version=0)
 
-    # Groups 0 and 1 fill it up to 6 samples, trimmed to one batch of 5.
-    assert handed.column("group_index").to_pylist() == [0, 0, 1, 1, 2]
+    # Groups 0 and 1 fill it up to 6 samples, all trained (a step of 5, then one of 1).
+    assert handed.column("group_index").to_pylist() == [0, 0, 1, 1, 2, 2]
     assert stats["filtered_groups"] == 2 and stats["zero_advantage_groups"] == 2
 
 
