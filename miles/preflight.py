@@ -1,6 +1,6 @@
 """Checks of a run's start that need no engine, trainer or workflow server: the run directory (a directory we may
 write, not trained by another process now, its config unchanged in what a rollout or a step means), the machine
-(the devices asked for, the Ray cluster named), and the starting model. Each failure is a ConfigError naming the
+(the devices asked for, the Ray cluster named), and the starting model's files (`load_model_files`). Each failure is a ConfigError naming the
 field or the file, raised in seconds, before Prefect and Ray start (the `miles` CLI) and again at a run's start."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import os
 import socket
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from miles.config import ConfigError, RunConfig, config_changes
@@ -21,9 +22,6 @@ def check_start(config: RunConfig) -> None:
     check_run_dir(config)
     check_devices(config)
     check_ray_address(config.ray_address)
-    model = RunDir(config.run_dir).pinned_initial_model() or config.model.path
-    if model is not None:
-        check_model(str(model))
 
 
 def check_run_dir(config: RunConfig) -> None:
@@ -63,14 +61,14 @@ def check_devices(config: RunConfig) -> None:
     """A local run (no ray_address) asks only for devices this machine has: Ray would wait for a GPU forever."""
     if config.ray_address:
         return
-    asked = {f: d for f, d in (("rollout.device", config.rollout.device), ("train.device", config.train.device))}
-    cuda = {field: device for field, device in asked.items() if device.startswith("cuda")}
+    asked = (("rollout.device", config.rollout.device), ("train.device", config.train.device))
+    cuda = [(field, device) for field, device in asked if device.startswith("cuda")]
     if not cuda:
         return
     import torch
 
     if not torch.cuda.is_available():
-        field, device = next(iter(cuda.items()))
+        field, device = cuda[0]
         raise ConfigError(
             f"{field}={device}: this machine has no CUDA device (torch.cuda.is_available() is false), and no "
             "ray_address names a cluster that has one"
@@ -96,9 +94,9 @@ def check_ray_address(address: str | None) -> None:
         ) from None
 
 
-def check_model(path: str) -> None:
-    """A Hugging Face model directory: its config and tokenizer load. Errors name model.path, not the library's
-    guesses (a missing directory reads to transformers as a Hub repo id)."""
+def load_model_files(path: str) -> tuple[Any, Any]:
+    """(tokenizer, config) of a Hugging Face model directory. Errors name model.path, not the library's guesses (a
+    missing directory reads to transformers as a Hub repo id)."""
     from transformers import AutoConfig, AutoTokenizer
 
     directory = Path(path)
@@ -109,9 +107,11 @@ def check_model(path: str) -> None:
         )
     if not (directory / "config.json").is_file():
         raise ConfigError(f"model.path: {path} has no config.json; it is not a Hugging Face model directory")
-    for what, load in (("config", AutoConfig.from_pretrained), ("tokenizer", AutoTokenizer.from_pretrained)):
+    loaded = []
+    for what, load in (("tokenizer", AutoTokenizer.from_pretrained), ("config", AutoConfig.from_pretrained)):
         try:
-            load(path)
+            loaded.append(load(path))
         except (OSError, ValueError, KeyError, json.JSONDecodeError, ImportError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ConfigError(f"model.path: the {what} of {path} does not load: {first}") from None
+    return loaded[0], loaded[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pyarrow as pa
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from miles.checkpoint import MODEL_DIR
 from miles.cluster import ActorGroup, RestartableActor, ensure_ray
@@ -26,7 +26,7 @@ from miles.evaluate import load_eval_sets
 from miles.iterations import Iterations, PolicyInputs
 from miles.models import build_tokenizer, ensure_embedded_model
 from miles.models.tiny import tool_tokens
-from miles.preflight import check_start
+from miles.preflight import check_start, load_model_files
 from miles.progress import IterationReporter
 from miles.resume import ResumePlan
 from miles.rewards import resolve_reward
@@ -86,9 +86,8 @@ def starting_tokenizer(config: RunConfig, tasks: list[str]) -> StartingTokenizer
         return StartingTokenizer(
             build_tokenizer(tool_tokens(tasks)), config.model.tiny.max_position_embeddings, "the embedded model"
         )
-    return StartingTokenizer(
-        AutoTokenizer.from_pretrained(model), AutoConfig.from_pretrained(model).max_position_embeddings, str(model)
-    )
+    tokenizer, model_config = load_model_files(str(model))
+    return StartingTokenizer(tokenizer, model_config.max_position_embeddings, str(model))
 
 
 def check_context(inputs: PolicyInputs, start: StartingTokenizer) -> None:
