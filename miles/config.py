@@ -495,6 +495,12 @@ class AdapterConfig(_Section):
         None, gt=0, description="samples per optimizer step; unset: the whole rollout"
     )
     eval: EvalConfig = Field(EvalConfig(), description="this adapter's evaluation (unset: as eval for its data)")
+    trainer_group: str = Field(
+        "main",
+        pattern=r"^[a-z][a-z0-9-]{0,39}$",
+        description="the trainer group that trains it (train.num_workers workers of its own); the adapters of a "
+        "group take turns on it, groups train at the same time",
+    )
 
     @model_validator(mode="after")
     def _batch_shape(self) -> AdapterConfig:
@@ -628,8 +634,9 @@ class RunConfig(_Section):
 
     @property
     def ray_actors(self) -> int:
-        """The Ray actors a run starts: its engines and its trainer workers."""
-        return self.rollout.num_engines + self.train.num_workers
+        """The Ray actors a run starts: its engines and its trainer workers (of each trainer group)."""
+        groups = len({adapter.trainer_group for adapter in self.adapters}) or 1
+        return self.rollout.num_engines + groups * self.train.num_workers
 
     @property
     def samples_per_rollout(self) -> int:

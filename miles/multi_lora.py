@@ -1,4 +1,11 @@
-"""Multi-LoRA RL: several LoRA adapters trained at once on one frozen base model, one engine set, one trainer.
+"""Multi-LoRA RL: several LoRA adapters trained at once on one frozen base model and one engine set, by one or more
+trainer groups.
+
+Each adapter is trained by its trainer group (`trainer_group`): train.num_workers LoRATrainActors placed by Ray,
+holding the frozen base (sharded with train.sharding=fsdp) and their adapters. The adapters of one group take turns
+on it; groups train at the same time, and a group that dies is restarted alone (its adapters restored from their
+checkpoints and ledgers) while the other groups' adapters go on. Every group's adapters are served by the one
+InferenceController, which batches their requests together.
 
 Each adapter is an AdapterRun with a run directory of its own, <run_dir>/adapters/<name>/ (rollouts, ledger, checkpoints with a
 PEFT directory, metrics.jsonl), with its own data, reward, optimizer, learning rate and step budget. Its
@@ -11,14 +18,14 @@ from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import ray
 from transformers import AutoTokenizer
 
-from miles.cluster import ActorGroup, RestartableActor, actor_options, ensure_ray
+from miles.cluster import ActorGroup, RestartableActor, ensure_ray
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
 from miles.iterations import Iterations, PolicyInputs
 from miles.preflight import check_start
@@ -28,6 +35,7 @@ from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
 from miles.run import check_context, check_inputs, initial_model, starting_tokenizer
 from miles.run_dir import RunDir
+from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
 
 log = logging.getLogger(__name__)
@@ -44,11 +52,6 @@ def resolve_adapters(config: RunConfig) -> list[AdapterConfig]:
 
 def check_adapter_inputs(config: RunConfig) -> dict[str, PolicyInputs]:
     """Each adapter's view of the run, dataset and reward, checked before any work; errors name the adapter."""
-    if config.train.sharded:
-        raise ConfigError(
-            f"train.num_workers={config.train.num_workers}, train.sharding={config.train.sharding}, "
-            f"train.param_dtype={config.train.param_dtype}: the multi-LoRA trainer is one unsharded float32 worker"
-        )
     checked = {}
     for index, adapter in enumerate(resolve_adapters(config)):
         if config.model.path is None and adapter.data.task is None:
@@ -72,7 +75,8 @@ def check_adapter_inputs(config: RunConfig) -> dict[str, PolicyInputs]:
 
 class AdapterRun:
     """One adapter of the multi-LoRA run: the same calls as RLRun, with push_adapter for sync_weights and retire
-    after its last rollout. It shares the engines and the LoRA trainer with the other adapters."""
+    after its last rollout. It shares the engines with the other adapters, and its trainer group with those
+    assigned to the same group."""
 
     def __init__(
         self,
@@ -96,20 +100,20 @@ class AdapterRun:
         self.iterations = Iterations(inputs, self.plan, controller, tokenizer, adapter=adapter.name)
         self.reporter = AdapterReporter(progress, adapter.name, self.config.num_rollout)
         if self.rollout_ids():
-            self.restore_on(trainer.handles[0])
+            self.restore_on(trainer.group)
             self.lora_config = trainer.call(LoRATrainActor.adapter_config, adapter.name)
             self._push(self.iterations.trainer_version)
 
-    def restore_on(self, trainer: ray.actor.ActorHandle) -> None:
-        """Add this adapter to `trainer` (at the start, or after a restart): its latest intact checkpoint, then the
-        rollouts trained since."""
+    def restore_on(self, trainer: ActorGroup) -> None:
+        """Add this adapter to every worker of `trainer` (at the start, or after a restart): its latest intact
+        checkpoint, then the rollouts trained since."""
 
-        def start(checkpoint: Path | None) -> ray.actor.ActorHandle:
-            ray.get(trainer.add_adapter.remote(self.adapter, self.config, str(checkpoint) if checkpoint else None))
+        def start(checkpoint: Path | None) -> ActorGroup:
+            trainer.call(LoRATrainActor.add_adapter, self.adapter, self.config, str(checkpoint) if checkpoint else None)
             return trainer
 
-        def train(trainer: ray.actor.ActorHandle, rollout_id: int, table: pa.Table) -> None:
-            ray.get(trainer.train.remote(self.name, rollout_id, table))
+        def train(trainer: ActorGroup, rollout_id: int, table: pa.Table) -> None:
+            trainer.call(LoRATrainActor.train, self.name, rollout_id, table)
 
         self.iterations.restore(start, train)
 
@@ -177,7 +181,7 @@ class AdapterRun:
 
 
 class MultiLoRARun:
-    """The shared pieces (run lock, base model, trainer, engines) and one AdapterRun per adapter."""
+    """The shared pieces (run lock, base model, trainer groups, engines) and one AdapterRun per adapter."""
 
     def __init__(self, config: RunConfig):
         checked = check_adapter_inputs(config)
@@ -191,8 +195,12 @@ class MultiLoRARun:
             self.initial_model = initial_model(self.run_dir, config, tasks)
             tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
             ensure_ray(config.ray_address, actors=config.ray_actors)
-            self.trainer = RestartableActor("LoRA trainer", self._restored_trainer)
-            started.callback(self.trainer.kill)
+            self.trainer_groups: dict[str, RestartableActor] = {}
+            for group in sorted({adapter.trainer_group for adapter in config.adapters}):
+                self.trainer_groups[group] = RestartableActor(
+                    f"LoRA trainer group {group}", partial(self._restored_trainer_group, group)
+                )
+                started.callback(self.trainer_groups[group].kill)
             self.controller = InferenceController(str(self.initial_model), 0, config.rollout, config.adapters)
             started.callback(self.controller.shutdown)
             progress = ProgressLine("multi-LoRA", sum(a.num_steps for a in config.adapters), echo_updates=False)
@@ -202,7 +210,7 @@ class MultiLoRARun:
                     adapter,
                     checked[adapter.name],
                     controller=self.controller,
-                    trainer=self.trainer,
+                    trainer=self.trainer_groups[adapter.trainer_group],
                     tokenizer=tokenizer,
                     progress=progress,
                 )
@@ -218,17 +226,13 @@ class MultiLoRARun:
         }
         self.run_dir.record_start(self.config.model_dump(mode="json"), self.initial_model, start)
 
-    def _restored_trainer(self) -> ActorGroup:
-        """A LoRA trainer holding every adapter still training, each restored from its checkpoint and ledger."""
-        trainer = (
-            ray.remote(LoRATrainActor)
-            .options(**actor_options(self.config.train.device))
-            .remote(self.config, str(self.initial_model), self.config.train.device)
-        )
+    def _restored_trainer_group(self, group: str) -> ActorGroup:
+        """Trainer group `group` holding each of its adapters still training, restored from its checkpoint and ledger."""
+        trainer = start_worker_group(self.config, LoRATrainActor, str(self.initial_model))
         for adapter in self.adapters.values():
-            if adapter.rollout_ids() and not adapter.retired:
+            if adapter.adapter.trainer_group == group and adapter.rollout_ids() and not adapter.retired:
                 adapter.restore_on(trainer)
-        return ActorGroup([trainer])
+        return trainer
 
     def active(self) -> list[AdapterRun]:
         """The adapters with rollouts left to train in this run."""

@@ -132,7 +132,7 @@ def check_full_model(root: Path, tokenizer) -> bool:
 def check_multi_lora(root: Path, tokenizer) -> bool:
     model_dir = root / "tiny"
     config = load_config(None, [f"model.path={model_dir}", f"train.device={DEVICE}"], run_dir=str(root / "lora"))
-    trainer = LoRATrainActor(config, str(model_dir), device=DEVICE)
+    trainer = LoRATrainActor(config, str(model_dir))
     engine = TorchEngine(str(model_dir), device=DEVICE)
     ok = True
     adapters = [

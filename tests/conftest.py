@@ -100,7 +100,7 @@ def ray_session():
 
     from miles.cluster import ensure_ray
 
-    ensure_ray(None, actors=3)
+    ensure_ray(None, actors=5)  # room for two trainer groups of two workers beside an engine
     yield
     ray.shutdown()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,15 +29,12 @@ from miles.run_dir import RunDir
 from miles.seeds import train_seed
 from miles.tensor_payload import serialize_named_tensors
 from miles.train.logprobs import token_logprobs
-from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, shard_model
+from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, join_trainer_group, shard_model
 from miles.train.update import batch_logprobs, train_on_rollout
 from miles.weight_check import WeightProbe, probe_ids
-from miles.weight_group import Membership, TensorSpec, WeightGroup, rendezvous_store, send_bucket
+from miles.weight_group import Membership, TensorSpec, WeightGroup, send_bucket
 
 log = logging.getLogger(__name__)
-
-# A rank that waits this long in a collective has lost its group; the group is restarted as a whole anyway.
-COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
 class TrainActor:
@@ -69,10 +65,7 @@ class TrainActor:
                 "the run directory must be on storage that every node sees (a shared file system)"
             )
         if train.sharded:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            host, port = rendezvous.rsplit(":", 1)
-            store = rendezvous_store(host, int(port), rank, world_size, COLLECTIVE_TIMEOUT)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+            join_trainer_group(self.device, rendezvous, rank, world_size)
         source = Path(checkpoint) / MODEL_DIR if checkpoint else Path(model_dir)
         # The model's own dtype, which checkpoints and weight files keep; the trainer holds float32 master weights
         # (saved with the optimizer state where the model's dtype is narrower).

@@ -1,8 +1,10 @@
-"""The trainer group: train.num_workers TrainActors placed by a Ray placement group, started as one process group."""
+"""A trainer group: train.num_workers trainer actors (TrainActors, or LoRATrainActors of the multi-LoRA flow) placed by
+a Ray placement group, started as one process group."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -26,8 +28,14 @@ def worker_bundle(config: RunConfig) -> dict[str, float]:
 
 
 def start_trainer_group(config: RunConfig, model_dir: Path, checkpoint: Path | None) -> ActorGroup:
-    """train.num_workers TrainActors, one per bundle of a placement group (train.placement: pack or spread), from
-    `checkpoint` (else `model_dir`). A group that cannot be placed is refused with what it asked for."""
+    """train.num_workers TrainActors from `checkpoint` (else `model_dir`)."""
+    return start_worker_group(config, TrainActor, str(model_dir), str(checkpoint) if checkpoint else None)
+
+
+def start_worker_group(config: RunConfig, actor_class: type, *args: Any) -> ActorGroup:
+    """train.num_workers actors `actor_class(config, *args, rank, world_size, rendezvous)`, one per bundle of a
+    placement group (train.placement: pack or spread). A group that cannot be placed is refused with what it asked
+    for; a worker that fails to start fails the group with its error."""
     workers = config.train.num_workers
     bundle = worker_bundle(config)
     group = placement_group([bundle] * workers, strategy=STRATEGIES[config.train.placement])
@@ -47,16 +55,14 @@ def start_trainer_group(config: RunConfig, model_dir: Path, checkpoint: Path | N
     if config.train.sharded:
         host, port = ray.get(ray.remote(free_address).options(**on_bundle(0)).remote())
         rendezvous = f"{host}:{port}"
-    actor = ray.remote(TrainActor)
+    actor = ray.remote(actor_class)
     handles = [
-        actor.options(max_concurrency=1, **on_bundle(rank)).remote(
-            config, str(model_dir), str(checkpoint) if checkpoint else None, rank, workers, rendezvous
-        )
+        actor.options(max_concurrency=1, **on_bundle(rank)).remote(config, *args, rank, workers, rendezvous)
         for rank in range(workers)
     ]
     trainers = ActorGroup(handles, release=lambda: remove_placement_group(group))
     try:
-        trainers.call(TrainActor.trained_rollouts)  # every worker started (its error, if one failed, is raised here)
+        trainers.results([handle.__ray_ready__.remote() for handle in handles])  # a worker's start error is raised
     except BaseException:
         trainers.kill()  # frees the placement group's resources, whatever the group's size
         raise

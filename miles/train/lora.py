@@ -1,4 +1,11 @@
-"""LoRATrainActor: several peft LoRA adapters on one frozen base model, each with its own optimizer.
+"""LoRATrainActor: several peft LoRA adapters on one frozen base model, each with its own optimizer; one rank of a
+LoRA trainer group.
+
+The frozen base is held in the model's dtype (bf16 for a bf16 model; train.param_dtype=bfloat16 narrows a float32 one)
+and, with train.sharding=fsdp, sharded by FSDP2 over the group's ranks; it never changes, so it has no gradients, no
+optimizer state and no float32 master copy. The adapters and their optimizer state are float32 and whole on every
+rank: each rank trains on its share of every global batch, and the adapters' gradients are summed over the ranks
+before each step (miles.train.update), so every rank holds the same adapters.
 
 A `train(name, rollout_id, table)` call activates that adapter, so only its parameters get gradients and only
 its optimizer steps. Checkpoints hold the adapter as a PEFT directory (`adapter_config.json` +
@@ -16,14 +23,25 @@ from typing import Any
 
 import pyarrow as pa
 import torch
+import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from miles.checkpoint import ADAPTER_DIR, load_optimizer, save_optimizer, write_checkpoint
+from miles.checkpoint import (
+    ADAPTER_DIR,
+    commit_checkpoint,
+    load_optimizer,
+    save_optimizer,
+    staging_dir,
+    staging_path,
+    weights_dtype,
+)
 from miles.config import AdapterConfig, RunConfig
 from miles.run_dir import RunDir
 from miles.seeds import adapter_init_seed, train_seed
+from miles.train.sharding import join_trainer_group, shard_model
 from miles.train.update import batch_logprobs, train_on_rollout
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -60,14 +78,35 @@ class _Adapter:
     trained: dict[int, dict[str, float]]  # the adapter's ledger when added, then each rollout trained since
 
 
+def base_dtype(config: RunConfig, base_dir: Path) -> str:
+    """The dtype the frozen base is held in: the model's own, or bfloat16 where train.param_dtype asks for it."""
+    return "bfloat16" if config.train.param_dtype == "bfloat16" else weights_dtype(base_dir)
+
+
 class LoRATrainActor:
-    def __init__(self, config: RunConfig, base_dir: str, device: str = "cpu"):
-        torch.set_num_threads(config.train.num_threads)
+    """Rank `rank` of `world_size` LoRA trainer workers; every rank gets every call, in the same order."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        base_dir: str,
+        rank: int = 0,
+        world_size: int = 1,
+        rendezvous: str | None = None,
+    ):
+        train = config.train
+        torch.set_num_threads(train.num_threads)
         self.config = config
-        self.device = torch.device(device)
+        self.rank = rank
+        self.device = torch.device(train.device)
         self.base_dir = base_dir
-        self.model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(self.device)
+        if train.sharded:
+            join_trainer_group(self.device, rendezvous, rank, world_size)
+        dtype = base_dtype(config, Path(base_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype)).to(self.device)
         self.model.requires_grad_(False)
+        if train.sharded:
+            shard_model(self.model, self.device.type, dtype)  # before peft: the adapters stay whole, beside it
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.adapters: dict[str, _Adapter] = {}
 
@@ -78,10 +117,11 @@ class LoRATrainActor:
             return
         lora = lora_config(adapter)
         torch.manual_seed(adapter_init_seed(self.config.seed, name))
+        # float32 adapters on a narrower base (peft casts them to the base's dtype otherwise)
         if isinstance(self.model, PeftModel):
-            self.model.add_adapter(name, lora)
+            self.model.add_adapter(name, lora, autocast_adapter_dtype=True)
         else:
-            self.model = get_peft_model(self.model, lora, adapter_name=name)
+            self.model = get_peft_model(self.model, lora, adapter_name=name, autocast_adapter_dtype=True)
         if checkpoint:
             weights = load_file(str(Path(checkpoint) / ADAPTER_DIR / ADAPTER_WEIGHTS), device=str(self.device))
             set_peft_model_state_dict(self.model, weights, adapter_name=name)
@@ -138,17 +178,47 @@ class LoRATrainActor:
             for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()
         }
 
+    def held_bytes(self) -> dict[str, int]:
+        """What this worker holds in tensors: its part of the frozen base (its shards when sharded), the adapters'
+        parameters and gradients, and their optimizer state."""
+        base = adapters = 0
+        for name, param in self.model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            size = local.numel() * local.element_size()
+            if "lora_" in name:
+                adapters += size + (size if param.grad is not None else 0)
+            else:
+                base += size
+        optimizer = sum(
+            value.numel() * value.element_size()
+            for adapter in self.adapters.values()
+            for state in adapter.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+        return {"base": base, "adapters": adapters, "optimizer": optimizer}
+
     def adapter_config(self, name: str) -> dict[str, Any]:
         return config_dict(self.model.peft_config[name])
 
     def save_checkpoint(self, name: str, rollout_id: int, state: dict[str, Any]) -> str:
-        """<adapter dir>/checkpoints/<rollout_id>/: `adapter/` (a PEFT directory), the optimizer and the state."""
+        """<adapter dir>/checkpoints/<rollout_id>/: `adapter/` (a PEFT directory, written by rank 0), the optimizer
+        (through the DCP path every rank takes part in) and the state; a retried save keeps the checkpoint there."""
         adapter = self.adapters[name]
         target = adapter.run_dir.checkpoint(rollout_id)
-        return str(write_checkpoint(target, rollout_id, state, partial(self._write_adapter_files, name)))
+        if target.exists():
+            return str(target)
+        staging = staging_dir(target) if self.rank == 0 else staging_path(target)
+        self._barrier()  # the other ranks write into the staging dir rank 0 has just made
+        if self.rank == 0:
+            self._write_adapter_files(name, staging / ADAPTER_DIR)
+        save_optimizer(self.model, adapter.optimizer, staging)
+        self._barrier()  # every rank's part is written before rank 0 takes the checksums
+        if self.rank == 0:
+            commit_checkpoint(staging, target, rollout_id, state)
+        return str(target)
 
-    def _write_adapter_files(self, name: str, directory: Path) -> None:
-        target = directory / ADAPTER_DIR
+    def _write_adapter_files(self, name: str, target: Path) -> None:
         target.mkdir()
         # A copy: the live config is what the engines compare on each push, and must not change on a save.
         config = {**config_dict(self.model.peft_config[name]), "base_model_name_or_path": self.base_dir}
@@ -158,4 +228,7 @@ class LoRATrainActor:
             str(target / ADAPTER_WEIGHTS),
             metadata={"format": "pt"},
         )
-        save_optimizer(self.model, self.adapters[name].optimizer, directory)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()

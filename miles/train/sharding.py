@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -11,9 +12,19 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from miles.checkpoint import tied_names
-from miles.weight_group import TensorSpec, tensor_specs
+from miles.weight_group import TensorSpec, rendezvous_store, tensor_specs
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# A rank that waits this long in a collective has lost its group; the group is restarted as a whole anyway.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def join_trainer_group(device: torch.device, rendezvous: str, rank: int, world_size: int) -> None:
+    """Join the trainer group's default process group (NCCL on CUDA, gloo on CPU) through `rendezvous`, `host:port` on
+    rank 0's node."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    host, port = rendezvous.rsplit(":", 1)
+    store = rendezvous_store(host, int(port), rank, world_size, COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
 
 
 def shard_model(model: torch.nn.Module, device_type: str = "cpu", param_dtype: str = "float32") -> torch.nn.Module:
@@ -26,7 +37,7 @@ def shard_model(model: torch.nn.Module, device_type: str = "cpu", param_dtype: s
     Gradients are summed across ranks, not averaged: each rank's loss is already its share of the global batch's
     loss (normalised by global counts), so the sum is the single-process gradient."""
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in layer_classes:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from miles.config import AlgoConfig, RunConfig
 from miles.train.algorithms import Algorithm
@@ -216,6 +218,22 @@ def micro_batch_loss(
     return loss
 
 
+def sum_replicated_gradients(params: list[torch.nn.Parameter]) -> None:
+    """In a process group, sum over the ranks the gradients of the parameters every rank holds whole (LoRA adapters
+    beside a sharded base), as FSDP's reduce-scatter sums the sharded ones: each rank's loss is its share of the global
+    batch's. One collective over the flattened gradients; a parameter without a gradient on a rank counts as zeros."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    whole = [p for p in params if not isinstance(p, DTensor)]
+    if not whole:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in whole]
+    summed = _flatten_dense_tensors(grads)
+    dist.all_reduce(summed)
+    for param, grad in zip(whole, _unflatten_dense_tensors(summed, grads), strict=True):
+        param.grad = grad
+
+
 def optimizer_step(
     model,
     optimizer: torch.optim.Optimizer,
@@ -263,6 +281,7 @@ def optimizer_step(
         loss = micro_batch_loss(logp, entropy, advantages, mask, rows, logprobs, algo, algorithm, scale, sums)
         loss.backward()
         step_loss += float(loss.detach())
+    sum_replicated_gradients(params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.grad_clip)
     # sharded parameters give the norm as a DTensor; its full value is the global norm
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)

@@ -4,12 +4,13 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import torch
 from peft import PeftConfig
 from safetensors.torch import load_file
 
 from flows.multi_lora import multi_lora
 from miles.loop import run_multi_lora
-from miles.multi_lora import AdapterRun
+from miles.multi_lora import AdapterRun, MultiLoRARun
 from miles.run_dir import RunDir
 from tests.helpers import max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
@@ -181,3 +182,47 @@ def test_sglang_engines_serve_the_adapters_as_the_torch_engines_do(ray_session, 
             )
             < 1e-4
         )
+
+
+def test_two_trainer_groups_on_a_sharded_bf16_base_and_a_killed_group_restarts_alone(
+    ray_session, prefect_api, small_config, bf16_model_dir, monkeypatch, tmp_path
+):
+    """Each adapter on a trainer group of its own, two workers each sharding the bf16 base: a worker of sub's group
+    dies in its train_step; that group alone restarts (from the ledger), add's group goes on, and both adapters end
+    as in an uninterrupted run."""
+    grouped = (
+        ADAPTERS[0]
+        .replace("lr: 0.003}", "lr: 0.003, trainer_group: first}")
+        .replace("rank: 4}", "rank: 4, trainer_group: second}")
+    )
+    options = [grouped, f"model.path={bf16_model_dir}", "train.num_workers=2"]
+    reference = small_config(*options, run_dir=str(tmp_path / "uninterrupted"))
+    run_multi_lora(reference)
+    started: list[str] = []
+    restored = MultiLoRARun._restored_trainer_group
+    monkeypatch.setattr(
+        MultiLoRARun,
+        "_restored_trainer_group",
+        lambda run, group: started.append(group) or restored(run, group),
+    )
+    fault_before(
+        monkeypatch,
+        AdapterRun,
+        "train",
+        lambda adapter, i: (adapter.name, i) == ("sub", 1),
+        lambda adapter: freeze_then_kill(adapter.trainer.handles[1]),
+    )
+    config = small_config(*options)
+
+    state = multi_lora(config, return_state=True)
+
+    assert state.is_completed(), state.message
+    assert started == ["first", "second", "second"]
+    assert "train_step[sub, rollout=1]" in retried_task_runs(stored_task_runs(state.state_details.flow_run_id))
+    for adapter, steps, samples in (("add", 3, 16), ("sub", 2, 8)):
+        adapter_dir = Path(config.run_dir) / "adapters" / adapter
+        assert sorted(RunDir(adapter_dir).ledger().trained) == list(range(steps))
+        assert_whole_rollouts(adapter_dir, range(steps), samples)
+        final = _adapter_weights(config.run_dir, adapter, steps - 1)
+        assert {value.dtype for value in final.values()} == {torch.float32}
+        assert max_abs_diff(final, _adapter_weights(reference.run_dir, adapter, steps - 1)) < 1e-4

@@ -54,7 +54,28 @@ def test_each_adapter_gets_its_rows_and_reward(tmp_path, tiny_model_dir):
         check_adapter_inputs(bad)
 
 
-@pytest.mark.parametrize("overrides", [["train.num_workers=2"], ["train.param_dtype=bfloat16"]])
-def test_the_lora_trainer_refuses_sharding(overrides):
-    with pytest.raises(ConfigError, match="the multi-LoRA trainer is one unsharded float32 worker"):
-        check_adapter_inputs(load_config(None, overrides))
+def test_an_adapter_whose_batch_does_not_split_over_the_workers_is_refused_by_name():
+    config = load_config(
+        None,
+        [
+            "train.num_workers=2",
+            "adapters=[{name: add, data: {task: addition}}, "
+            "{name: odd, data: {task: addition}, rollout_batch_size: 3, n_samples_per_prompt: 1}]",
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"adapters\.1 \(odd\): .*train\.num_workers \(2\) must divide"):
+        check_adapter_inputs(config)
+
+
+def test_adapters_name_their_trainer_groups_and_each_group_gets_its_workers():
+    config = load_config(
+        None,
+        [
+            "train.num_workers=2",
+            "rollout.num_engines=1",
+            "adapters=[{name: add, data: {task: addition}}, {name: sub, data: {task: subtraction}, "
+            "trainer_group: second}, {name: add-b, data: {task: addition}, trainer_group: second}]",
+        ],
+    )
+    assert [a.trainer_group for a in config.adapters] == ["main", "second", "second"]
+    assert config.ray_actors == 1 + 2 * 2
