@@ -1,6 +1,7 @@
-"""The multi-LoRA flow: N LoRA adapters on one frozen base, the adapters trained concurrently.
+"""The multi-LoRA flow: N LoRA adapters on one frozen base, the adapters trained concurrently, each by its trainer
+group (adapters of different groups train at the same time), and tenants that join and leave while it runs.
 
-    for each adapter, concurrently (Prefect futures):
+    for each adapter (the configured ones, and each tenant as it is submitted), concurrently (Prefect futures):
         for rollout_id in its start .. num_steps - 1:
             evaluate(adapter, rollout_id)            # when due (its eval.*), beside its generation
             generate(adapter, rollout_id)            # the engines batch this with the other adapters' requests
@@ -10,6 +11,10 @@
             save_checkpoint(adapter, rollout_id)     # every save_interval and at its end: a PEFT directory
         evaluate(adapter, num_steps)                 # its final weights
         retire_adapter(adapter)                      # after its last step: unloaded; the other adapters go on
+    a withdrawn adapter: save_checkpoint, retire_adapter at its next boundary
+    an adapter whose step failed (after its retries): recorded, retired; the others go on, and the flow run
+        fails at the end, naming it
+    nothing left to train: wait up to tenants.idle_timeout_s for a tenant
 
 An adapter's final rollout is pushed only for its final evaluation. Each adapter has its own directory, progress,
 metrics table and summary in the UI; a run dir that holds adapter checkpoints resumes each adapter after its
@@ -34,10 +39,12 @@ from tasks import STEPS
 def multi_lora(config: RunConfig) -> dict:
     check_deployment_run(config)
     with MultiLoRARun(config) as run:
-        adapters = run.active()
-        reports = {adapter.name: RunReport(adapter, f"rl-multi-lora-{adapter.name}") for adapter in adapters}
-        for adapter, rollout_id in schedules.multi_lora(adapters, STEPS):
+        reports: dict[str, RunReport] = {}
+        for adapter, rollout_id in schedules.multi_lora(run, STEPS):
+            if adapter.name not in reports:
+                reports[adapter.name] = RunReport(adapter, f"rl-multi-lora-{adapter.name}")
             reports[adapter.name].iteration_done(rollout_id)
-        for adapter in adapters:
-            reports[adapter.name].finish()
+        for report in reports.values():
+            report.finish()
+        run.check_failures()
     return {name: report.summary() for name, report in reports.items()}

@@ -513,6 +513,17 @@ class AdapterConfig(_Section):
         return self
 
 
+class TenantsConfig(_Section):
+    """The multi-LoRA run as a service: adapters submitted while it runs (`miles tenant submit`) join it."""
+
+    idle_timeout_s: float | None = Field(
+        0.0,
+        ge=0,
+        description="with every adapter done, wait this long for a new tenant before the run ends; "
+        "unset: until the run is cancelled",
+    )
+
+
 def embedded_adapters() -> list[AdapterConfig]:
     """The multi-LoRA default on the embedded model: one adapter per built-in task, each its own reward signal.
 
@@ -578,6 +589,7 @@ class RunConfig(_Section):
         default_factory=list,
         description="LoRA adapters of the multi-LoRA flow; unset on the embedded model: one per built-in task",
     )
+    tenants: TenantsConfig = TenantsConfig()
 
     @model_validator(mode="after")
     def _preset(self) -> RunConfig:
@@ -700,6 +712,7 @@ CHANGES_FREELY = (
     "accept_config_change",
     "eval",
     "logging",
+    "tenants",
     "rollout.engine",
     "rollout.num_engines",
     "rollout.num_threads",
@@ -725,6 +738,7 @@ CHANGES_FREELY = (
     "train.placement",
     "adapters.*.num_steps",
     "adapters.*.eval",
+    "adapters.*.trainer_group",
 )
 
 

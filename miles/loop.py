@@ -70,8 +70,10 @@ def run_fully_async(config: RunConfig) -> list[dict[str, Any]]:
 
 
 def run_multi_lora(config: RunConfig) -> dict[str, list[dict[str, Any]]]:
+    """Every adapter's records of this run; AdaptersFailed at the end when an adapter's branch failed."""
     with MultiLoRARun(config) as run, plain_steps() as steps:
-        records: dict[str, list[dict[str, Any]]] = {name: [] for name in run.adapters}
-        for adapter, rollout_id in schedules.multi_lora(run.active(), steps):
-            records[adapter.name].append(adapter.finish_iteration(rollout_id))
+        records: dict[str, list[dict[str, Any]]] = {}
+        for adapter, rollout_id in schedules.multi_lora(run, steps):
+            records.setdefault(adapter.name, []).append(adapter.finish_iteration(rollout_id))
+        run.check_failures()
         return records

@@ -17,7 +17,9 @@ retired (unloaded from the engines and the trainer) while the others go on.
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from miles.cluster import ActorGroup, RestartableActor, ensure_ray
+from miles.cluster import ActorGroup, RestartableActor, ensure_ray, first_line
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
 from miles.iterations import Iterations, PolicyInputs
 from miles.preflight import check_start
@@ -35,10 +37,13 @@ from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
 from miles.run import check_context, check_inputs, initial_model, starting_tokenizer
 from miles.run_dir import RunDir
+from miles.tenants import TenantBook
 from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
 
 log = logging.getLogger(__name__)
+
+TENANT_POLL_S = 1.0  # how often a run with nothing to train looks for new tenants
 
 
 def resolve_adapters(config: RunConfig) -> list[AdapterConfig]:
@@ -52,25 +57,75 @@ def resolve_adapters(config: RunConfig) -> list[AdapterConfig]:
 
 def check_adapter_inputs(config: RunConfig) -> dict[str, PolicyInputs]:
     """Each adapter's view of the run, dataset and reward, checked before any work; errors name the adapter."""
-    checked = {}
-    for index, adapter in enumerate(resolve_adapters(config)):
-        if config.model.path is None and adapter.data.task is None:
-            raise ConfigError(
-                f"adapters.{index}.data.task: the embedded base model is built for built-in tasks; "
-                f"set a task for adapter {adapter.name!r} or set model.path"
-            )
-        try:
-            checked[adapter.name] = check_inputs(config.adapter_view(adapter))
-        except ConfigError as exc:
-            raise ConfigError(f"adapters.{index} ({adapter.name}): {exc}") from None
+    adapters = resolve_adapters(config)
+    checked = {a.name: _check_adapter(config, a, f"adapters.{i}") for i, a in enumerate(adapters)}
     check_start(config)
-    start = starting_tokenizer(config, sorted({a.data.task for a in resolve_adapters(config) if a.data.task}))
-    for index, (name, inputs) in enumerate(checked.items()):
-        try:
-            check_context(inputs, start)
-        except ConfigError as exc:
-            raise ConfigError(f"adapters.{index} ({name}): {exc}") from None
+    start = _starting_tokenizer(config)
+    for index, adapter in enumerate(adapters):
+        with _naming(f"adapters.{index}", adapter):
+            check_context(checked[adapter.name], start)
     return checked
+
+
+def check_tenant(run_dir: str | Path, adapter: AdapterConfig) -> RunConfig:
+    """The multi-LoRA run at `run_dir` (its last start's config) with `adapter` added, once the adapter passes what a
+    configured one passes at a start (its view of the run, its data, reward and prompts) and its name is free there.
+    The run need not be running: a submission waits in the run directory for its next start."""
+    directory = RunDir(run_dir)
+    recorded = directory.recorded_config()
+    if recorded is None or not directory.adapters_path.is_dir():
+        raise ConfigError(f"{run_dir}: no multi-LoRA run has started there; start one first (miles run multi-lora)")
+    config = RunConfig.model_validate(recorded)
+    taken = {a.name for a in config.adapters} | {a.name for a in TenantBook(directory).submitted()}
+    if adapter.name in taken | {p.name for p in directory.adapters_path.iterdir()}:
+        raise ConfigError(f"adapter name {adapter.name!r} is taken in {run_dir}; a name is used once in a run")
+    where = f"tenant {adapter.name}"
+    if config.rollout.engine == "sglang":  # the servers' LoRA pool is sized by the configured adapters
+        rank = max(a.rank for a in config.adapters)
+        modules = {m for a in config.adapters for m in a.target_modules}
+        if adapter.rank > rank or not set(adapter.target_modules) <= modules:
+            raise ConfigError(
+                f"{where}: rank {adapter.rank} and target_modules {adapter.target_modules} must fit the SGLang "
+                f"servers' LoRA pool (rank {rank}, modules {sorted(modules)}), sized by the run's configured adapters"
+            )
+    with_tenant = config.model_copy(update={"adapters": [*config.adapters, adapter]})
+    inputs = _check_adapter(with_tenant, adapter, where)
+    with _naming(where, adapter):
+        check_context(inputs, _starting_tokenizer(config))
+    return with_tenant
+
+
+def _check_adapter(config: RunConfig, adapter: AdapterConfig, where: str) -> PolicyInputs:
+    """The adapter's view of the run, its data and reward, checked (`where`: how errors name it)."""
+    if config.model.path is None and adapter.data.task is None:
+        raise ConfigError(
+            f"{where}.data.task: the embedded base model is built for built-in tasks; "
+            f"set a task for adapter {adapter.name!r} or set model.path"
+        )
+    with _naming(where, adapter):
+        return check_inputs(config.adapter_view(adapter))
+
+
+@contextmanager
+def _naming(where: str, adapter: AdapterConfig) -> Iterator[None]:
+    """A ConfigError raised in the block, naming the adapter (`where`)."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(f"{where} ({adapter.name}): {exc}") from None
+
+
+def _base_tasks(config: RunConfig) -> list[str]:
+    """The built-in tasks the embedded base model is built for: the configured adapters' (a tenant's never change it)."""
+    return sorted({a.data.task for a in resolve_adapters(config) if a.data.task is not None})
+
+
+def _starting_tokenizer(config: RunConfig):
+    return starting_tokenizer(config, _base_tasks(config))
+
+
+class AdaptersFailed(RuntimeError):
+    """Adapters whose branch failed (recorded in <run_dir>/tenants/); the others went on to their end."""
 
 
 class AdapterRun:
@@ -181,43 +236,110 @@ class AdapterRun:
 
 
 class MultiLoRARun:
-    """The shared pieces (run lock, base model, trainer groups, engines) and one AdapterRun per adapter."""
+    """The shared pieces (run lock, base model, trainer groups, engines) and one AdapterRun per adapter: the configured
+    ones, and the tenants submitted to the run directory (miles.tenants), admitted at the start and at each iteration
+    boundary (`admit`). A withdrawn or failed adapter is not resumed."""
 
     def __init__(self, config: RunConfig):
         checked = check_adapter_inputs(config)
         config = config.model_copy(update={"adapters": resolve_adapters(config)})
         self.config = config
         self.run_dir = RunDir(config.run_dir).create()
+        self.book = TenantBook(self.run_dir)
         self.adapters: dict[str, AdapterRun] = {}
-        with ExitStack() as started:  # an error on the way releases what was taken so far
-            started.callback(self.run_dir.lock().release)
-            tasks = sorted({a.data.task for a in config.adapters if a.data.task is not None})
-            self.initial_model = initial_model(self.run_dir, config, tasks)
-            tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
-            ensure_ray(config.ray_address, actors=config.ray_actors)
-            self.trainer_groups: dict[str, RestartableActor] = {}
-            for group in sorted({adapter.trainer_group for adapter in config.adapters}):
-                self.trainer_groups[group] = RestartableActor(
-                    f"LoRA trainer group {group}", partial(self._restored_trainer_group, group)
-                )
-                started.callback(self.trainer_groups[group].kill)
-            self.controller = InferenceController(str(self.initial_model), 0, config.rollout, config.adapters)
-            started.callback(self.controller.shutdown)
-            progress = ProgressLine("multi-LoRA", sum(a.num_steps for a in config.adapters), echo_updates=False)
-            started.callback(progress.close)
-            for adapter in config.adapters:
-                self.adapters[adapter.name] = AdapterRun(
-                    adapter,
-                    checked[adapter.name],
-                    controller=self.controller,
-                    trainer=self.trainer_groups[adapter.trainer_group],
-                    tokenizer=tokenizer,
-                    progress=progress,
-                )
-                started.callback(self.adapters[adapter.name].iterations.close)
-            progress.update(sum(a.plan.first_rollout_id for a in self.adapters.values()))
-            self._record_start()
-            self._resources = started.pop_all()
+        self.failures: dict[str, str] = {}
+        self.trainer_groups: dict[str, RestartableActor] = {}
+        self._resources = ExitStack()
+        try:
+            self._start(checked)
+        except BaseException:  # an error on the way releases what was taken so far
+            self._resources.close()
+            raise
+
+    def _start(self, checked: dict[str, PolicyInputs]) -> None:
+        config = self.config
+        self._resources.callback(self.run_dir.lock().release)
+        self.initial_model = initial_model(self.run_dir, config, _base_tasks(config))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
+        self.start_tokenizer = _starting_tokenizer(config)
+        tenants = self.book.submitted()
+        ensure_ray(
+            config.ray_address, actors=config.model_copy(update={"adapters": config.adapters + tenants}).ray_actors
+        )
+        self.controller = InferenceController(str(self.initial_model), 0, config.rollout, config.adapters + tenants)
+        self._resources.callback(self.controller.shutdown)
+        self.progress = ProgressLine("multi-LoRA", 0, echo_updates=False)
+        self._resources.callback(self.progress.close)
+        ended = self.book.withdrawn().keys() | self.book.failed().keys()
+        for adapter in config.adapters:
+            if adapter.name not in ended:
+                self._add(adapter, checked[adapter.name])
+        self.admit()
+        self._record_start()
+
+    def _add(self, adapter: AdapterConfig, inputs: PolicyInputs) -> AdapterRun:
+        """The adapter's AdapterRun, on its trainer group (started now if it is the group's first adapter)."""
+        group = adapter.trainer_group
+        if group not in self.trainer_groups:
+            self.trainer_groups[group] = RestartableActor(
+                f"LoRA trainer group {group}", partial(self._restored_trainer_group, group)
+            )
+            self._resources.callback(self.trainer_groups[group].kill)
+        run = AdapterRun(
+            adapter,
+            inputs,
+            controller=self.controller,
+            trainer=self.trainer_groups[group],
+            tokenizer=self.tokenizer,
+            progress=self.progress,
+        )
+        self._resources.callback(run.iterations.close)
+        self.adapters[adapter.name] = run
+        self.progress.extend(len(run.rollout_ids()))
+        return run
+
+    def admit(self) -> list[AdapterRun]:
+        """The tenants submitted since the last look, each checked again (a tenant that no longer passes is recorded
+        as failed) and added; those with rollouts to train."""
+        ended = self.book.withdrawn().keys() | self.book.failed().keys()
+        admitted = []
+        for tenant in self.book.submitted():
+            if tenant.name in self.adapters or tenant.name in ended:
+                continue
+            where = f"tenant {tenant.name}"
+            try:
+                config = self.config.model_copy(update={"adapters": [*self.config.adapters, tenant]})
+                inputs = _check_adapter(config, tenant, where)
+                with _naming(where, tenant):
+                    check_context(inputs, self.start_tokenizer)
+            except ConfigError as exc:
+                self.book.fail(tenant.name, str(exc))
+                log.error("%s", exc)
+                continue
+            log.info("tenant %s admitted", tenant.name)
+            admitted.append(self._add(tenant, inputs))
+        return [run for run in admitted if run.rollout_ids()]
+
+    def wait_for_tenants(self) -> list[AdapterRun]:
+        """With nothing left to train: the tenants submitted within tenants.idle_timeout_s (unset: however long it
+        takes), as soon as there are any; none when the time is up."""
+        timeout = self.config.tenants.idle_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            admitted = self.admit()
+            if admitted or (deadline is not None and time.monotonic() >= deadline):
+                return admitted
+            time.sleep(TENANT_POLL_S)
+
+    def withdrawn(self, adapter: AdapterRun) -> bool:
+        return adapter.name in self.book.withdrawn()
+
+    def fail(self, adapter: AdapterRun, error: BaseException) -> None:
+        """Record that the adapter's branch failed, in the run directory (a restart does not resume it) and here."""
+        message = f"{type(error).__name__}: {first_line(error)}"
+        self.book.fail(adapter.name, message)
+        self.failures[adapter.name] = message
+        log.error("adapter %s failed, the others go on: %s", adapter.name, message)
 
     def _record_start(self) -> None:
         start = {
@@ -237,6 +359,14 @@ class MultiLoRARun:
     def active(self) -> list[AdapterRun]:
         """The adapters with rollouts left to train in this run."""
         return [a for a in self.adapters.values() if a.rollout_ids()]
+
+    def check_failures(self) -> None:
+        """Raise AdaptersFailed when an adapter's branch failed in this run."""
+        if self.failures:
+            raise AdaptersFailed(
+                "; ".join(f"adapter {name} failed: {error}" for name, error in self.failures.items())
+                + f" (recorded in {self.book.path}; the other adapters went on)"
+            )
 
     def close(self) -> None:
         self._resources.close()

@@ -41,6 +41,11 @@ class ProgressLine:
             self.task = self.progress.add_task("", total=total, completed=done)
             self.progress.start()
 
+    def extend(self, steps: int) -> None:
+        """`steps` more to go (work that joined since the start)."""
+        if self.progress is not None:
+            self.progress.update(self.task, total=self.progress.tasks[0].total + steps)
+
     def update(self, completed: int, status: str = "") -> None:
         self.completed = completed
         if self.progress is not None:

@@ -68,8 +68,13 @@ class RunDir:
     def reward_curve_path(self) -> Path:
         return self.path / "reward_curve.png"
 
+    @property
+    def adapters_path(self) -> Path:
+        """Where a multi-LoRA run keeps each adapter's own run directory."""
+        return self.path / "adapters"
+
     def adapter(self, name: str) -> RunDir:
-        return RunDir(self.path / "adapters" / name)
+        return RunDir(self.adapters_path / name)
 
     def create(self) -> RunDir:
         self.path.mkdir(parents=True, exist_ok=True)

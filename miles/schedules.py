@@ -11,13 +11,16 @@ finishes the iteration (its metrics line, its row in the UI).
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from miles.multi_lora import AdapterRun
+from miles.multi_lora import TENANT_POLL_S, AdapterRun, MultiLoRARun
 from miles.run import RLRun
+
+log = logging.getLogger(__name__)
 
 
 class Step(Protocol):
@@ -117,20 +120,57 @@ def adapter_iteration(adapter: AdapterRun, steps: Steps, rollout_id: int) -> Any
     return last
 
 
-def multi_lora(adapters: list[AdapterRun], steps: Steps) -> Iterator[tuple[AdapterRun, int]]:
+def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, int]]:
     """rl-multi-lora: each adapter's rollouts in order, the adapters side by side: an adapter's next rollout is
-    submitted when its previous one ends. Yields (adapter, rollout_id) as each ends; a chain that failed raises."""
+    submitted when its previous one ends. At each boundary (and every TENANT_POLL_S meanwhile) the run admits the
+    tenants submitted since, which start at once; a withdrawn adapter is saved and retired instead of going on; an
+    adapter whose chain failed is recorded (`run.failures`) and retired, and the others go on. With nothing left in
+    flight the run waits for tenants as tenants.idle_timeout_s says, then ends. Yields (adapter, rollout_id) as each
+    rollout ends."""
     ended: queue.SimpleQueue = queue.SimpleQueue()
+    in_flight = 0
 
     def submit(adapter: AdapterRun, rollout_id: int) -> None:
+        nonlocal in_flight
+        in_flight += 1
         chain = adapter_iteration(adapter, steps, rollout_id)
         chain.add_done_callback(lambda future: ended.put((future, adapter, rollout_id)))
 
-    for adapter in adapters:
-        submit(adapter, adapter.rollout_ids().start)
-    for _ in range(sum(len(adapter.rollout_ids()) for adapter in adapters)):
-        future, adapter, rollout_id = ended.get()
-        future.result()
+    joining = run.active()
+    while True:
+        for adapter in joining:
+            submit(adapter, adapter.rollout_ids().start)
+        if not in_flight:
+            joining = run.wait_for_tenants()
+            if not joining:
+                return
+            continue
+        try:
+            future, adapter, rollout_id = ended.get(timeout=TENANT_POLL_S)
+        except queue.Empty:
+            joining = run.admit()
+            continue
+        in_flight -= 1
+        joining = run.admit()
+        try:
+            future.result()
+        except Exception as exc:  # this adapter's branch only: the others go on
+            run.fail(adapter, exc)
+            _retire_after_failure(adapter, steps)
+            continue
         yield adapter, rollout_id
-        if rollout_id + 1 in adapter.rollout_ids():
+        if rollout_id + 1 not in adapter.rollout_ids():
+            continue  # its last rollout: the chain retired it
+        if run.withdrawn(adapter):
+            steps.save_checkpoint(adapter, rollout_id)
+            steps.retire_adapter(adapter)
+        else:
             submit(adapter, rollout_id + 1)
+
+
+def _retire_after_failure(adapter: AdapterRun, steps: Steps) -> None:
+    """Free a failed adapter's slot on the engines and its trainer group; an actor that is gone frees it anyway."""
+    try:
+        steps.retire_adapter(adapter)
+    except Exception as exc:
+        log.warning("adapter %s: retiring after its failure failed too: %s", adapter.name, exc)

@@ -3,6 +3,7 @@ trainer, which differ only in which parameters the optimizer holds."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ from miles.train.batch import TrainBatch, batch_from_table, micro_batches, split
 from miles.train.logprobs import token_stats
 
 ReferenceLogprobs = Callable[[TrainBatch], torch.Tensor]
+
+
+class NonFiniteGradient(ValueError):
+    """A loss or gradient turned NaN or infinite. A ValueError: a retry of the same data would meet it again."""
 
 
 @torch.no_grad()
@@ -285,6 +290,11 @@ def optimizer_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.grad_clip)
     # sharded parameters give the norm as a DTensor; its full value is the global norm
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not math.isfinite(grad_norm):
+        raise NonFiniteGradient(
+            f"the gradient norm is {grad_norm} (loss {step_loss}); the optimizer step is not taken, and the weights "
+            "hold the steps before it"
+        )
     optimizer.step()
     return step_loss, grad_norm
 
