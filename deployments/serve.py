@@ -9,7 +9,8 @@
 Deployments `rl-sync/tiny`, `rl-async/tiny`, `rl-fully-async/tiny` and `rl-multi-lora/tiny` run the config (default:
 configs/tiny.yaml beside this file), each in its own run directory (`<run_dir>-<name>`), at most one flow run at a
 time. With `iterations_per_run` set, each scheduled run trains that many rollouts (per adapter, for multi-LoRA) and
-exits; the next resumes.
+exits; the next resumes. `rl-tenant-submit/tiny` and `rl-tenant-withdraw/tiny` add an adapter to, and withdraw one
+from, the multi-LoRA deployment's run (flows/tenants.py).
 
 A run's config may name code by import path (`data.reward: pkg.mod:fn`, custom algorithms, environments, generate
 functions) only in `miles` and in the modules given by --allow-module, and its launch settings (the SGLang server's
@@ -125,6 +126,18 @@ def main(argv: list[str] | None = None) -> int:
                 tags=["rl", name],
                 concurrency_limit=1,  # one flow run per deployment, so per run directory
                 description=f"rl-{name} on {args.config}",
+            )
+        )
+    from flows.tenants import submit_tenant, withdraw_tenant
+
+    multi_lora_run_dir = f"{base.run_dir}-multi-lora"
+    for tenant_flow in (submit_tenant, withdraw_tenant):
+        deployments.append(
+            tenant_flow.to_deployment(
+                name="tiny",
+                parameters={"run_dir": multi_lora_run_dir},
+                tags=["rl", "multi-lora", "tenant"],
+                description=f"{tenant_flow.name} for the multi-LoRA run in {multi_lora_run_dir}",
             )
         )
     serve(*deployments)

@@ -24,11 +24,52 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume a run whose config changed in fields that change what a rollout or a step means",
     )
+    tenant = commands.add_parser("tenant", help="submit, withdraw or list the adapters of a multi-LoRA run")
+    actions = tenant.add_subparsers(dest="action", required=True)
+    submit = actions.add_parser("submit", help="add an adapter; it joins the run at its next iteration boundary")
+    submit.add_argument("run_dir", help="the multi-LoRA run's directory")
+    submit.add_argument("--adapter", help="YAML file of the adapter (AdapterConfig: name, data, num_steps, ...)")
+    submit.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="set an adapter field"
+    )
+    withdraw = actions.add_parser("withdraw", help="save and retire an adapter at its next iteration boundary")
+    withdraw.add_argument("run_dir", help="the multi-LoRA run's directory")
+    withdraw.add_argument("name", help="the adapter's name")
+    withdraw.add_argument("--reason", default="", help="recorded with the withdrawal")
+    listing = actions.add_parser("list", help="each adapter of the run: its group, rollouts trained, state")
+    listing.add_argument("run_dir", help="the multi-LoRA run's directory")
     return parser
+
+
+def _tenant(args: argparse.Namespace) -> int:
+    """`miles tenant ...`: the run directory is the run's mailbox; no Prefect needed."""
+    from miles.config import ConfigError, load_adapter_config
+    from miles.multi_lora import adapter_states, submit_tenant, withdraw_adapter
+
+    try:
+        if args.action == "submit":
+            adapter = load_adapter_config(args.adapter, args.overrides)
+            submit_tenant(args.run_dir, adapter)
+            print(f"adapter {adapter.name} submitted: it joins the run at its next iteration boundary")
+        elif args.action == "withdraw":
+            withdraw_adapter(args.run_dir, args.name, args.reason)
+            print(f"adapter {args.name} withdrawn: it is saved and retired at its next iteration boundary")
+        else:
+            for row in adapter_states(args.run_dir):
+                print(
+                    f"{row['name']:<20} {row['origin']:<7} group {row['trainer_group']:<12} "
+                    f"{row['trained']:>5}/{row['num_steps']:<5} {row['state']}"
+                )
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "tenant":
+        return _tenant(args)
     from miles.config import ConfigError, load_config
 
     rl_flow = FLOWS[args.flow]

@@ -267,8 +267,14 @@ class RestartableActor:
         self.group.kill()
 
 
+def actor_error(exc: BaseException) -> BaseException:
+    """For an error raised inside an actor, the actor's own error; else `exc`."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        return exc.cause
+    return exc
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an error's message; for an error raised inside an actor, of the actor's error."""
-    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
-        exc = exc.cause
+    exc = actor_error(exc)
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -787,14 +787,14 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return "\n  ".join([f"invalid config ({source}):", *problems])
 
 
-def _parse_override(text: str) -> tuple[list[str], Any]:
+def _parse_override(text: str, schema: type[BaseModel]) -> tuple[list[str], Any]:
     """`a.b=value` as (keys, value): a string field takes the text as it is (`null` unsets an optional one); any
     other field takes the text as YAML."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form a.b=value")
     keys = key.split(".")
-    kind = _field_kind(keys)
+    kind = _field_kind(keys, schema)
     if kind in (str, str | None):
         return keys, None if kind is not str and raw in ("null", "~") else raw
     try:
@@ -810,9 +810,9 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{getattr(exc, 'problem', None) or str(exc).splitlines()[0]}{where}"
 
 
-def _field_kind(keys: list[str]) -> Any:
-    """The annotation of the RunConfig field at `keys` (list items by index), or None when there is no such field."""
-    kind: Any = RunConfig
+def _field_kind(keys: list[str], schema: type[BaseModel]) -> Any:
+    """The annotation of the `schema` field at `keys` (list items by index), or None when there is no such field."""
+    kind: Any = schema
     for key in keys:
         if get_origin(kind) is list and key.isdigit():
             kind = get_args(kind)[0]
@@ -830,6 +830,15 @@ def _field_kind(keys: list[str]) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:
     """Build a RunConfig from an optional YAML file, `a.b=value` overrides, then explicit top-level fields."""
+    return _load(RunConfig, path, overrides, fields)
+
+
+def load_adapter_config(path: str | Path | None = None, overrides: list[str] | None = None) -> AdapterConfig:
+    """Build an AdapterConfig (a tenant's) from an optional YAML file and `a.b=value` overrides."""
+    return _load(AdapterConfig, path, overrides, {})
+
+
+def _load(schema: type[_Section], path: str | Path | None, overrides: list[str] | None, fields: dict[str, Any]) -> Any:
     source = str(path) if path else "defaults"
     data: dict[str, Any] = {}
     if path:
@@ -847,7 +856,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
     for text in overrides or []:
-        keys, value = _parse_override(text)
+        keys, value = _parse_override(text, schema)
         node = data
         for key in keys[:-1]:
             node = node.setdefault(key, {})
@@ -856,6 +865,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         node[keys[-1]] = value
     data.update({k: v for k, v in fields.items() if v is not None})
     try:
-        return RunConfig.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from None

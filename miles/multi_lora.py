@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from miles.cluster import ActorGroup, RestartableActor, ensure_ray, first_line
+from miles.cluster import ActorGroup, RestartableActor, actor_error, ensure_ray, first_line
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
 from miles.iterations import Iterations, PolicyInputs
 from miles.preflight import check_start
@@ -71,11 +71,7 @@ def check_tenant(run_dir: str | Path, adapter: AdapterConfig) -> RunConfig:
     """The multi-LoRA run at `run_dir` (its last start's config) with `adapter` added, once the adapter passes what a
     configured one passes at a start (its view of the run, its data, reward and prompts) and its name is free there.
     The run need not be running: a submission waits in the run directory for its next start."""
-    directory = RunDir(run_dir)
-    recorded = directory.recorded_config()
-    if recorded is None or not directory.adapters_path.is_dir():
-        raise ConfigError(f"{run_dir}: no multi-LoRA run has started there; start one first (miles run multi-lora)")
-    config = RunConfig.model_validate(recorded)
+    directory, config = _recorded_run(run_dir)
     taken = {a.name for a in config.adapters} | {a.name for a in TenantBook(directory).submitted()}
     if adapter.name in taken | {p.name for p in directory.adapters_path.iterdir()}:
         raise ConfigError(f"adapter name {adapter.name!r} is taken in {run_dir}; a name is used once in a run")
@@ -93,6 +89,76 @@ def check_tenant(run_dir: str | Path, adapter: AdapterConfig) -> RunConfig:
     with _naming(where, adapter):
         check_context(inputs, _starting_tokenizer(config))
     return with_tenant
+
+
+def submit_tenant(
+    run_dir: str | Path, adapter: AdapterConfig, allowed: Callable[[RunConfig], None] | None = None
+) -> None:
+    """Submit `adapter` to the multi-LoRA run at `run_dir` once it passes check_tenant and `allowed` (a deployment's
+    allow-lists, given the run's config with the adapter added); the run admits it at its next iteration boundary."""
+    config = check_tenant(run_dir, adapter)
+    if allowed is not None:
+        allowed(config)
+    TenantBook(RunDir(run_dir)).submit(adapter)
+
+
+def withdraw_adapter(run_dir: str | Path, name: str, reason: str = "") -> None:
+    """Withdraw adapter `name` (check_withdrawal); the run saves and retires it at its next iteration boundary."""
+    check_withdrawal(run_dir, name)
+    TenantBook(RunDir(run_dir)).withdraw(name, reason)
+
+
+def check_withdrawal(run_dir: str | Path, name: str) -> None:
+    """Adapter `name` is one of the multi-LoRA run's at `run_dir`, and neither withdrawn nor failed yet."""
+    directory, config = _recorded_run(run_dir)
+    book = TenantBook(directory)
+    known = [a.name for a in [*config.adapters, *book.submitted()]]
+    if name not in known:
+        raise ConfigError(f"{run_dir} has no adapter {name!r}; its adapters: {', '.join(known)}")
+    if name in book.withdrawn():
+        raise ConfigError(f"adapter {name!r} of {run_dir} is withdrawn already")
+    if name in book.failed():
+        raise ConfigError(f"adapter {name!r} of {run_dir} has failed ({book.failed()[name]['error']}); it is retired")
+
+
+def adapter_states(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Each adapter of the multi-LoRA run at `run_dir`: where it came from (config, tenant), its trainer group,
+    rollouts trained of its budget, and its state: waiting (not started yet), training, done, withdrawn, failed."""
+    directory, config = _recorded_run(run_dir)
+    book = TenantBook(directory)
+    withdrawn, failed = book.withdrawn(), book.failed()
+    rows = []
+    for origin, adapters in (("config", config.adapters), ("tenant", book.submitted())):
+        for adapter in adapters:
+            trained = len(directory.adapter(adapter.name).ledger().trained)
+            if adapter.name in failed:
+                state = "failed"
+            elif adapter.name in withdrawn:
+                state = "withdrawn"
+            elif trained >= adapter.num_steps:
+                state = "done"
+            else:
+                state = "training" if directory.adapter(adapter.name).path.is_dir() else "waiting"
+            rows.append(
+                {
+                    "name": adapter.name,
+                    "origin": origin,
+                    "trainer_group": adapter.trainer_group,
+                    "trained": trained,
+                    "num_steps": adapter.num_steps,
+                    "state": state,
+                }
+            )
+    return rows
+
+
+def _recorded_run(run_dir: str | Path) -> tuple[RunDir, RunConfig]:
+    """The multi-LoRA run directory and the config of its last start."""
+    directory = RunDir(run_dir)
+    recorded = directory.recorded_config()
+    if recorded is None or not directory.adapters_path.is_dir():
+        raise ConfigError(f"{run_dir}: no multi-LoRA run has started there; start one first (miles run multi-lora)")
+    return directory, RunConfig.model_validate(recorded)
 
 
 def _check_adapter(config: RunConfig, adapter: AdapterConfig, where: str) -> PolicyInputs:
@@ -336,7 +402,7 @@ class MultiLoRARun:
 
     def fail(self, adapter: AdapterRun, error: BaseException) -> None:
         """Record that the adapter's branch failed, in the run directory (a restart does not resume it) and here."""
-        message = f"{type(error).__name__}: {first_line(error)}"
+        message = f"{type(actor_error(error)).__name__}: {first_line(error)}"
         self.book.fail(adapter.name, message)
         self.failures[adapter.name] = message
         log.error("adapter %s failed, the others go on: %s", adapter.name, message)

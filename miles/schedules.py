@@ -101,23 +101,24 @@ def _generating_ahead(run: RLRun, steps: Steps, window: int, pushes_wait_for_gen
         evaluation.result()
 
 
-def adapter_iteration(adapter: AdapterRun, steps: Steps, rollout_id: int) -> Any:
-    """One rollout of one adapter as a chain of futures; returns the chain's last future. The adapter changes on
-    the engines, and the chain ends, only after its evaluation; after its last rollout it retires."""
+def adapter_iteration(adapter: AdapterRun, steps: Steps, rollout_id: int) -> list:
+    """One rollout of one adapter as a chain of futures; returns them in the order submitted, the chain's end last.
+    The adapter changes on the engines, and the chain ends, only after its evaluation; after its last rollout it
+    retires."""
     evaluation = steps.evaluate.submit(adapter, rollout_id) if adapter.should_evaluate(rollout_id) else None
-    generated = steps.generate.submit(adapter, rollout_id)
-    table = steps.get.submit(adapter, rollout_id, wait_for=[generated])
-    last = steps.train_step.submit(adapter, rollout_id, table)
     evaluated = [evaluation] if evaluation is not None else []
+    chain = [*evaluated, steps.generate.submit(adapter, rollout_id)]
+    chain.append(steps.get.submit(adapter, rollout_id, wait_for=[chain[-1]]))
+    chain.append(steps.train_step.submit(adapter, rollout_id, chain[-1]))
     if adapter.should_push(rollout_id):
-        last = steps.push_adapter.submit(adapter, rollout_id, wait_for=[last, *evaluated])
+        chain.append(steps.push_adapter.submit(adapter, rollout_id, wait_for=[chain[-1], *evaluated]))
     if adapter.should_save(rollout_id):
-        last = steps.save_checkpoint.submit(adapter, rollout_id, wait_for=[last, *evaluated])
+        chain.append(steps.save_checkpoint.submit(adapter, rollout_id, wait_for=[chain[-1], *evaluated]))
     if adapter.is_last(rollout_id):
         if adapter.should_evaluate(rollout_id + 1):
-            last = steps.evaluate.submit(adapter, rollout_id + 1, wait_for=[last])
-        last = steps.retire_adapter.submit(adapter, wait_for=[last, *evaluated])
-    return last
+            chain.append(steps.evaluate.submit(adapter, rollout_id + 1, wait_for=[chain[-1]]))
+        chain.append(steps.retire_adapter.submit(adapter, wait_for=[chain[-1], *evaluated]))
+    return chain
 
 
 def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, int]]:
@@ -134,7 +135,7 @@ def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, in
         nonlocal in_flight
         in_flight += 1
         chain = adapter_iteration(adapter, steps, rollout_id)
-        chain.add_done_callback(lambda future: ended.put((future, adapter, rollout_id)))
+        chain[-1].add_done_callback(lambda _: ended.put((chain, adapter, rollout_id)))
 
     joining = run.active()
     while True:
@@ -146,16 +147,16 @@ def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, in
                 return
             continue
         try:
-            future, adapter, rollout_id = ended.get(timeout=TENANT_POLL_S)
+            chain, adapter, rollout_id = ended.get(timeout=TENANT_POLL_S)
         except queue.Empty:
             joining = run.admit()
             continue
         in_flight -= 1
         joining = run.admit()
         try:
-            future.result()
-        except Exception as exc:  # this adapter's branch only: the others go on
-            run.fail(adapter, exc)
+            chain[-1].result()
+        except Exception:  # this adapter's branch only: the others go on
+            run.fail(adapter, _first_error(chain))
             _retire_after_failure(adapter, steps)
             continue
         yield adapter, rollout_id
@@ -166,6 +167,18 @@ def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, in
             steps.retire_adapter(adapter)
         else:
             submit(adapter, rollout_id + 1)
+
+
+def _first_error(chain: list) -> BaseException:
+    """Once every step of a failed chain has ended, the first one's own error (a step after it only says that its
+    upstream failed; a Prefect task whose upstream failed ends at once, while a step beside it may still run)."""
+    errors = []
+    for future in chain:
+        try:
+            future.result()
+        except Exception as exc:
+            errors.append(exc)
+    return errors[0]
 
 
 def _retire_after_failure(adapter: AdapterRun, steps: Steps) -> None:
