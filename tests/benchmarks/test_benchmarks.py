@@ -24,6 +24,7 @@ FIGURES = {
     "gpu_tag": "gpu_tag_ratio",
     "handover": "handover_speedup",
     "logprob_memory": "logprob_memory_ratio",
+    "lora_base_memory": "lora_base_memory_ratio",
     "long_run": "long_run_growth",
     "multi_lora_memory": "memory_ratio",
     "orchestration_overhead": "overhead_ratio",
@@ -32,13 +33,15 @@ FIGURES = {
     "sglang_transports": "fastest_push_vs_disk",
     "startup": "startup_seconds",
     "task_run_cost": "task_run_server_ms",
+    "tenants": "tenants_wall_ratio",
     "token_budget": "token_budget_speedup",
     "train_step": "train_overhead",
+    "trainer_groups": "trainer_groups_speedup",
     "trainer_scaling": "shard_memory_ratio",
     "weight_sync": "weight_sync_speedup",
 }
 # The smoke runs of half a minute to a minute on 2 cores: each starts a Prefect API and Ray workers, startup the CLI.
-SLOW = {"async_vs_sync", "chaos", "gpu_tag", "long_run", "orchestration_overhead", "startup"}
+SLOW = {"async_vs_sync", "chaos", "gpu_tag", "long_run", "orchestration_overhead", "startup", "tenants"}
 
 
 def _benchmark(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
