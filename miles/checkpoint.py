@@ -9,7 +9,6 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -183,16 +182,6 @@ def commit_checkpoint(staging: Path, target: Path, rollout_id: int, state: dict[
     else:
         os.replace(staging, target)
     return target
-
-
-def write_checkpoint(target: Path, rollout_id: int, state: dict[str, Any], write_files: Callable[[Path], None]) -> Path:
-    """Write the checkpoint directory `target` of rollout `rollout_id` from one process: `write_files(staging)` fills
-    the staging dir, then commit_checkpoint. An existing checkpoint (a retried save) is kept as it is."""
-    if target.exists():
-        return target
-    staging = staging_dir(target)
-    write_files(staging)
-    return commit_checkpoint(staging, target, rollout_id, state)
 
 
 def weights_dtype(model_dir: Path) -> str:

@@ -148,3 +148,15 @@ def small_llama(vocab: int = 50, **config):
         max_position_embeddings=64,
     )
     return LlamaForCausalLM(LlamaConfig(**(shape | config)))
+
+
+def write_checkpoint(target: Path, rollout_id: int, state: dict, write_files) -> Path:
+    """A checkpoint directory as a trainer commits one: `write_files(staging)` fills its staging dir, then
+    commit_checkpoint. An existing checkpoint is kept as it is."""
+    from miles.checkpoint import commit_checkpoint, staging_dir
+
+    if target.exists():
+        return target
+    staging = staging_dir(target)
+    write_files(staging)
+    return commit_checkpoint(staging, target, rollout_id, state)

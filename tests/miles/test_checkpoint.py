@@ -16,9 +16,9 @@ from miles.checkpoint import (
     load_optimizer,
     read_state,
     save_optimizer,
-    write_checkpoint,
 )
 from miles.run_dir import RunDir
+from tests.helpers import write_checkpoint
 
 # ---------------------------------------------------------------- optimizer files
 

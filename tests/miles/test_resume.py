@@ -2,10 +2,10 @@
 
 import pytest
 
-from miles.checkpoint import write_checkpoint
 from miles.resume import ResumePlan
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
+from tests.helpers import write_checkpoint
 from tests.helpers.samples import rollout_table
 
 
