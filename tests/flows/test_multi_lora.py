@@ -226,3 +226,26 @@ def test_two_trainer_groups_on_a_sharded_bf16_base_and_a_killed_group_restarts_a
         final = _adapter_weights(config.run_dir, adapter, steps - 1)
         assert {value.dtype for value in final.values()} == {torch.float32}
         assert max_abs_diff(final, _adapter_weights(reference.run_dir, adapter, steps - 1)) < 1e-4
+
+
+def test_a_failing_adapter_fails_its_own_branch_in_the_ui_and_the_others_finish(ray_session, prefect_api, small_config):
+    """Its reward raises on every sample: its `get` fails (not retried: the data would fail again), it is retired, the
+    other adapter trains to its end, and the flow run ends Failed naming the failed one."""
+    raising = ADAPTERS[0].replace(
+        " {name: sub, data: {task: subtraction, reward: digit_match}",
+        " {name: sub, data: {task: subtraction, reward: tests.miles.rollout.rewards_for_tests:always_raises}",
+    )
+    config = small_config(raising)
+
+    state = multi_lora(config, return_state=True)
+
+    assert state.is_failed()
+    assert "adapter sub failed: ValueError: rollout 0 has 0 samples after excluding 8 failed samples" in state.message
+    runs = stored_task_runs(state.state_details.flow_run_id)
+    assert runs["get[sub, rollout=0]"].state.is_failed()
+    assert runs["retire_adapter[sub]"].state.is_completed()
+    assert all(run.state.is_completed() for name, run in runs.items() if "[add" in name)
+    assert sorted(RunDir(config.run_dir).adapter("add").ledger().trained) == [0, 1, 2]
+    assert json.loads((Path(config.run_dir) / "tenants" / "sub.failed.json").read_text())["error"].startswith(
+        "ValueError: rollout 0 has 0 samples"
+    )
