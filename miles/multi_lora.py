@@ -426,6 +426,19 @@ class MultiLoRARun:
         """The adapters with rollouts left to train in this run."""
         return [a for a in self.adapters.values() if a.rollout_ids()]
 
+    def release_idle_groups(self) -> None:
+        """Stop each trainer group none of whose adapters trains any more (retired, withdrawn or failed): a service's
+        tenants come and go, and a group holds its workers' memory and placement. A tenant that names the group
+        again starts it anew."""
+        training = {
+            a.adapter.trainer_group
+            for a in self.adapters.values()
+            if a.rollout_ids() and not a.retired and a.name not in self.failures
+        }
+        for group in [g for g in self.trainer_groups if g not in training]:
+            log.info("trainer group %s has no adapter left to train: stopped", group)
+            self.trainer_groups.pop(group).kill()
+
     def check_failures(self) -> None:
         """Raise AdaptersFailed when an adapter's branch failed in this run."""
         if self.failures:

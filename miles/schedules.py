@@ -125,8 +125,8 @@ def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, in
     """rl-multi-lora: each adapter's rollouts in order, the adapters side by side: an adapter's next rollout is
     submitted when its previous one ends. At each boundary (and every TENANT_POLL_S meanwhile) the run admits the
     tenants submitted since, which start at once; a withdrawn adapter is saved and retired instead of going on; an
-    adapter whose chain failed is recorded (`run.failures`) and retired, and the others go on. With nothing left in
-    flight the run waits for tenants as tenants.idle_timeout_s says, then ends. Yields (adapter, rollout_id) as each
+    adapter whose chain failed is recorded (`run.failures`) and retired, and the others go on. A trainer group left
+    without an adapter to train is stopped. With nothing left in flight the run waits for tenants as tenants.idle_timeout_s says, then ends. Yields (adapter, rollout_id) as each
     rollout ends."""
     ended: queue.SimpleQueue = queue.SimpleQueue()
     in_flight = 0
@@ -158,13 +158,15 @@ def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, in
         except Exception:  # this adapter's branch only: the others go on
             run.fail(adapter, _first_error(chain))
             _retire_after_failure(adapter, steps)
+            run.release_idle_groups()
             continue
         yield adapter, rollout_id
-        if rollout_id + 1 not in adapter.rollout_ids():
-            continue  # its last rollout: the chain retired it
-        if run.withdrawn(adapter):
+        if rollout_id + 1 not in adapter.rollout_ids():  # its last rollout: the chain retired it
+            run.release_idle_groups()
+        elif run.withdrawn(adapter):
             steps.save_checkpoint(adapter, rollout_id)
             steps.retire_adapter(adapter)
+            run.release_idle_groups()
         else:
             submit(adapter, rollout_id + 1)
 

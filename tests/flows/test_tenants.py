@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import ray
+
 from miles.config import AdapterConfig, DataConfig
 from miles.loop import run_multi_lora
 from miles.multi_lora import AdaptersFailed, adapter_states, submit_tenant, withdraw_adapter
@@ -51,7 +53,7 @@ def test_tenants_join_leave_and_fail_without_touching_the_others(ray_session, sm
     service, outcome = _in_background(config)
     assert eventually(lambda: _trained(run_dir, "add"), timeout_s=120)
 
-    submit_tenant(run_dir.path, _tenant("late", num_steps=2))
+    submit_tenant(run_dir.path, _tenant("late", num_steps=2, trainer_group="solo"))
     submit_tenant(run_dir.path, _tenant("leaves", num_steps=50))
     submit_tenant(run_dir.path, _tenant("raises", reward="tests.miles.rollout.rewards_for_tests:always_raises"))
     submit_tenant(run_dir.path, _tenant("diverges", lr=1e30, global_batch_size=8))
@@ -59,6 +61,8 @@ def test_tenants_join_leave_and_fail_without_touching_the_others(ray_session, sm
     withdraw_adapter(run_dir.path, "leaves", "enough")
     assert eventually(lambda: len(_trained(run_dir, "late")) == 2, timeout_s=120)
     assert len(_trained(run_dir, "add")) < 16  # the tenant trained and retired while the configured adapter trains
+    # Its trainer group, of its own, is stopped once it retires: the engine and group main keep their CPU slots.
+    assert eventually(lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"] - 2, every_s=0.2)
     service.join(timeout=300)
 
     assert isinstance(outcome.get("error"), AdaptersFailed)
