@@ -91,12 +91,14 @@ class TrainActor:
 
     def _load(self, source: Path) -> torch.nn.Module:
         train = self.config.train
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         if train.gradient_checkpointing:
             model.config.use_cache = False  # no KV cache while training: it would keep what checkpointing frees
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if train.sharded:
             shard_model(model, self.device.type, train.param_dtype)
+        else:
+            model.to(self.device)
         return model
 
     def trained_rollouts(self) -> list[int]:

@@ -103,10 +103,12 @@ class LoRATrainActor:
         if train.sharded:
             join_trainer_group(self.device, rendezvous, rank, world_size)
         dtype = base_dtype(config, Path(base_dir))
-        self.model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype)).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype))
         self.model.requires_grad_(False)
-        if train.sharded:
-            shard_model(self.model, self.device.type, dtype)  # before peft: the adapters stay whole, beside it
+        if train.sharded:  # before peft: the adapters stay whole, beside it
+            shard_model(self.model, self.device.type, dtype)
+        else:
+            self.model.to(self.device)
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.adapters: dict[str, _Adapter] = {}
 

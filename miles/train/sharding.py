@@ -34,6 +34,9 @@ def shard_model(model: torch.nn.Module, device_type: str = "cpu", param_dtype: s
     layers compute on bfloat16 copies gathered for the forward and backward, and gradients are reduced in float32
     (FSDP2's MixedPrecisionPolicy).
 
+    The model may be on the CPU: FSDP2 moves each module's parameters to the device of the mesh as it shards them,
+    so a GPU holds one layer whole at most, never the whole model.
+
     Gradients are summed across ranks, not averaged: each rank's loss is already its share of the global batch's
     loss (normalised by global counts), so the sum is the single-process gradient."""
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
