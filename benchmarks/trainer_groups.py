@@ -37,9 +37,11 @@ def _config(groups: tuple[str, str], args) -> object:
 
 
 def _measure(groups: tuple[str, str], args) -> dict[str, float]:
-    records = [r for rows in run_multi_lora(_config(groups, args)).values() for r in rows]
+    config = _config(groups, args)
+    records = [r for rows in run_multi_lora(config).values() for r in rows]
     ends = sorted(r["finished_at"] for r in records)
     return {
+        "passes": config.train.num_passes,
         "steps_per_s": (len(ends) - 1) / (ends[-1] - ends[0]),
         **{phase: statistics.mean(r[f"time_{phase}"] for r in records) for phase in ("generate", "train", "sync")},
     }
@@ -57,7 +59,8 @@ def main() -> None:
 
     print(
         f"embedded model, adapters add and sub (rank 8): {args.steps} rollouts each of {args.prompts} prompts x "
-        f"{args.samples} samples, one optimizer step per rollout; one engine"
+        f"{args.samples} samples, {sides['one group']['passes']} optimizer step(s) per rollout (train.num_passes); "
+        "one engine"
     )
     print(f"{'side':<12}{'steps/s':>9}{'generate s':>12}{'train s':>9}{'push s':>8}")
     for side, m in sides.items():

@@ -150,6 +150,8 @@ class TorchEngine:
                 raise ValueError(f"adapter {name!r} has {len(in_flight)} requests in flight; it stays loaded")
             del self._adapter_versions[name]
             if self._adapter_versions:
+                if name in self.model.active_adapters:  # hand the role on first, or peft picks one and warns
+                    self.model.set_adapter(next(iter(self._adapter_versions)))
                 self.model.delete_adapter(name)
             else:  # the last one: back to the plain base model, which takes full weight pushes again
                 self.model = self.model.unload().eval()
