@@ -67,10 +67,13 @@ def check_adapter_inputs(config: RunConfig) -> dict[str, PolicyInputs]:
     return checked
 
 
-def check_tenant(run_dir: str | Path, adapter: AdapterConfig) -> RunConfig:
-    """The multi-LoRA run at `run_dir` (its last start's config) with `adapter` added, once the adapter passes what a
-    configured one passes at a start (its view of the run, its data, reward and prompts) and its name is free there.
-    The run need not be running: a submission waits in the run directory for its next start."""
+def check_tenant(
+    run_dir: str | Path, adapter: AdapterConfig, allowed: Callable[[RunConfig], None] | None = None
+) -> RunConfig:
+    """The multi-LoRA run at `run_dir` (its last start's config) with `adapter` added, once its name is free there,
+    `allowed` (a deployment's allow-lists) accepts that config, before anything of the adapter's is imported or read,
+    and the adapter passes what a configured one passes at a start (its view of the run, its data, reward and
+    prompts). The run need not be running: a submission waits in the run directory for its next start."""
     directory, config = _recorded_run(run_dir)
     taken = {a.name for a in config.adapters} | {a.name for a in TenantBook(directory).submitted()}
     if adapter.name in taken | {p.name for p in directory.adapters_path.iterdir()}:
@@ -85,6 +88,8 @@ def check_tenant(run_dir: str | Path, adapter: AdapterConfig) -> RunConfig:
                 f"servers' LoRA pool (rank {rank}, modules {sorted(modules)}), sized by the run's configured adapters"
             )
     with_tenant = config.model_copy(update={"adapters": [*config.adapters, adapter]})
+    if allowed is not None:
+        allowed(with_tenant)
     inputs = _check_adapter(with_tenant, adapter, where)
     with _naming(where, adapter):
         check_context(inputs, _starting_tokenizer(config))
@@ -94,11 +99,9 @@ def check_tenant(run_dir: str | Path, adapter: AdapterConfig) -> RunConfig:
 def submit_tenant(
     run_dir: str | Path, adapter: AdapterConfig, allowed: Callable[[RunConfig], None] | None = None
 ) -> None:
-    """Submit `adapter` to the multi-LoRA run at `run_dir` once it passes check_tenant and `allowed` (a deployment's
-    allow-lists, given the run's config with the adapter added); the run admits it at its next iteration boundary."""
-    config = check_tenant(run_dir, adapter)
-    if allowed is not None:
-        allowed(config)
+    """Submit `adapter` to the multi-LoRA run at `run_dir` once it passes check_tenant (with `allowed`); the run
+    admits it at its next iteration boundary."""
+    check_tenant(run_dir, adapter, allowed)
     TenantBook(RunDir(run_dir)).submit(adapter)
 
 

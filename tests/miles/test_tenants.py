@@ -65,8 +65,9 @@ def test_a_submission_is_checked_as_a_configured_adapter_is(run_dir, tmp_path):
     with pytest.raises(ConfigError, match="no multi-LoRA run has started there"):
         check_tenant(tmp_path / "elsewhere", _tenant("x"))
     refused = []
-    with pytest.raises(RuntimeError, match="not allowed"):
-        submit_tenant(run_dir.path, _tenant("add-3"), allowed=lambda config: refused.append(config) or _refuse())
+    unknown = AdapterConfig(name="add-3", data=DataConfig(task="addition", reward="not_a_module:reward"))
+    with pytest.raises(RuntimeError, match="not allowed"):  # checked before anything of the tenant's is imported
+        submit_tenant(run_dir.path, unknown, allowed=lambda config: refused.append(config) or _refuse())
     assert [a.name for a in refused[0].adapters] == ["add", "add-3"]  # the deployment checks the run with it
     assert [a.name for a in TenantBook(run_dir).submitted()] == ["add-2"]  # a refused one is not recorded
 
