@@ -135,11 +135,12 @@ def served(tmp_path_factory, tiny_model_dir, database):
             tmp_path / "serve.log",
         )
         try:
-            _wait(
-                lambda: httpx.get(f"{api}/deployments/name/rl-sync/tiny").status_code == 200,
-                90,
-                "the served deployments",
-            )
+            for name in ("rl-sync", "rl-multi-lora", "rl-tenant-submit", "rl-tenant-withdraw"):
+                _wait(
+                    lambda: httpx.get(f"{api}/deployments/name/{name}/tiny").status_code == 200,  # noqa: B023
+                    90,
+                    f"the served deployment {name}/tiny",
+                )
             yield api, env, config_file
         finally:
             _stop(serve)
@@ -148,18 +149,16 @@ def served(tmp_path_factory, tiny_model_dir, database):
 
 
 def _deployment_run(env, params: dict, expect_success: bool = True) -> str:
+    return _run_deployment(env, "rl-sync/tiny", {"config": params}, expect_success=expect_success)
+
+
+def _run_deployment(env, deployment: str, parameters: dict, expect_success: bool = True, watch: bool = True) -> str:
+    """`prefect deployment run` as a user types it; the flow run's id. Without `watch` it returns once the run is
+    created."""
+    params = [part for name, value in parameters.items() for part in ("--param", f"{name}={json.dumps(value)}")]
+    watching = ["--watch", "--watch-timeout", "300"] if watch else []
     out = subprocess.run(
-        [
-            PREFECT,
-            "deployment",
-            "run",
-            "rl-sync/tiny",
-            "--param",
-            f"config={json.dumps(params)}",
-            "--watch",
-            "--watch-timeout",
-            "300",
-        ],
+        [PREFECT, "deployment", "run", deployment, *params, *watching],
         env=env,
         cwd=PROJECT,
         capture_output=True,
@@ -255,6 +254,54 @@ def test_a_deployment_run_starts_only_the_programs_the_deployment_starts(served,
     assert "rollout.sglang.extra_args: ['-c', 'id'] (the deployment's: [])" in message
     assert "server_module" not in message  # unchanged, so not named
     assert not (tmp_path / "refused").exists()  # refused before the run directory, the actors or the engines
+
+
+# Long enough (four optimizer steps a rollout) to be still training when a tenant submitted through Prefect is done.
+SERVICE_ADAPTER = (
+    "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 80, rollout_batch_size: 8,"
+    " n_samples_per_prompt: 8, global_batch_size: 16, eval: {datasets: []}}]"
+)
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+def test_a_tenant_submitted_through_its_deployment_trains_and_retires_while_another_trains(served):
+    api, env, config_file = served
+    run_dir = Path(f"{load_config(config_file).run_dir}-multi-lora")  # the tenant deployments' run directory
+    overrides = [SERVICE_ADAPTER, "tenants.idle_timeout_s=3", "iterations_per_run=null", "train.global_batch_size=16"]
+    config = load_config(config_file, overrides, run_dir=str(run_dir)).model_dump(mode="json")
+    service = _run_deployment(env, "rl-multi-lora/tiny", {"config": config}, watch=False)
+    _wait(lambda: RunDir(run_dir).adapter("add").ledger().trained, 240, "the configured adapter's first rollout")
+
+    tenant = {"name": "late", "data": {"task": "addition", "reward": "digit_match"}, "num_steps": 2}
+    tenant.update(rollout_batch_size=4, n_samples_per_prompt=4, eval={"datasets": []})
+    submitted = _run_deployment(env, "rl-tenant-submit/tiny", {"adapter": tenant})
+    assert httpx.get(f"{api}/flow_runs/{submitted}").json()["state_type"] == "COMPLETED"
+    refused = dict(tenant, name="sneaky", data={"task": "addition", "reward": "subprocess:getoutput"})
+    refusal = _run_deployment(env, "rl-tenant-submit/tiny", {"adapter": refused}, expect_success=False)
+    message = httpx.get(f"{api}/flow_runs/{refusal}").json()["state"]["message"]
+    assert "deployment rl-tenant-submit/tiny: imports are allowed only from miles" in message
+    assert "module 'subprocess' is not allowed" in message
+    assert sorted(p.name for p in (run_dir / "tenants").iterdir()) == ["late.json"]
+
+    ended = _wait(
+        lambda: (
+            (run := httpx.get(f"{api}/flow_runs/{service}").json())["state_type"] in ("COMPLETED", "FAILED") and run
+        ),
+        300,
+        "the multi-LoRA flow run's end",
+    )
+    assert ended["state_type"] == "COMPLETED", ended["state"]["message"]
+    assert sorted(RunDir(run_dir).adapter("add").ledger().trained) == list(range(80))
+    assert sorted(RunDir(run_dir).adapter("late").ledger().trained) == [0, 1]
+
+    def stored() -> dict[str, dict] | None:  # the server stores task-run states after the flow run has ended
+        runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [service]}}}).json()
+        by_name = {t["name"]: t for t in runs if t["state_type"] == "COMPLETED"}
+        return by_name if {"retire_adapter[late]", "train_step[add, rollout=79]"} <= by_name.keys() else None
+
+    task_runs = _wait(stored, 30, "the service's task runs, completed")
+    # The tenant trained and retired while the configured adapter was still training.
+    assert task_runs["retire_adapter[late]"]["end_time"] < task_runs["train_step[add, rollout=79]"]["start_time"]
 
 
 CHROMIUM = Path("/usr/bin/chromium")
