@@ -256,9 +256,10 @@ def test_a_deployment_run_starts_only_the_programs_the_deployment_starts(served,
     assert not (tmp_path / "refused").exists()  # refused before the run directory, the actors or the engines
 
 
-# Long enough (four optimizer steps a rollout) to be still training when a tenant submitted through Prefect is done.
+# A budget it never reaches: it trains until it is withdrawn, after the tenant has retired. Its rollouts take about a
+# second (eight optimizer steps), few task runs a second for the SQLite API to store beside the submissions.
 SERVICE_ADAPTER = (
-    "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 80, rollout_batch_size: 8,"
+    "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 100000, rollout_batch_size: 8,"
     " n_samples_per_prompt: 8, global_batch_size: 16, eval: {datasets: []}}]"
 )
 
@@ -267,7 +268,8 @@ SERVICE_ADAPTER = (
 def test_a_tenant_submitted_through_its_deployment_trains_and_retires_while_another_trains(served):
     api, env, config_file = served
     run_dir = Path(f"{load_config(config_file).run_dir}-multi-lora")  # the tenant deployments' run directory
-    overrides = [SERVICE_ADAPTER, "tenants.idle_timeout_s=3", "iterations_per_run=null", "train.global_batch_size=16"]
+    overrides = [SERVICE_ADAPTER, "tenants.idle_timeout_s=1", "iterations_per_run=null", "save_interval=100000"]
+    overrides.append("train.num_passes=2")
     config = load_config(config_file, overrides, run_dir=str(run_dir)).model_dump(mode="json")
     service = _run_deployment(env, "rl-multi-lora/tiny", {"config": config}, watch=False)
     _wait(lambda: RunDir(run_dir).adapter("add").ledger().trained, 240, "the configured adapter's first rollout")
@@ -282,7 +284,10 @@ def test_a_tenant_submitted_through_its_deployment_trains_and_retires_while_anot
     assert "deployment rl-tenant-submit/tiny: imports are allowed only from miles" in message
     assert "module 'subprocess' is not allowed" in message
     assert sorted(p.name for p in (run_dir / "tenants").iterdir()) == ["late.json"]
+    _wait(lambda: sorted(RunDir(run_dir).adapter("late").ledger().trained) == [0, 1], 240, "the tenant's 2 rollouts")
 
+    withdrawn = _run_deployment(env, "rl-tenant-withdraw/tiny", {"name": "add", "reason": "enough"})
+    assert httpx.get(f"{api}/flow_runs/{withdrawn}").json()["state_type"] == "COMPLETED"
     ended = _wait(
         lambda: (
             (run := httpx.get(f"{api}/flow_runs/{service}").json())["state_type"] in ("COMPLETED", "FAILED") and run
@@ -291,17 +296,21 @@ def test_a_tenant_submitted_through_its_deployment_trains_and_retires_while_anot
         "the multi-LoRA flow run's end",
     )
     assert ended["state_type"] == "COMPLETED", ended["state"]["message"]
-    assert sorted(RunDir(run_dir).adapter("add").ledger().trained) == list(range(80))
-    assert sorted(RunDir(run_dir).adapter("late").ledger().trained) == [0, 1]
+    last = max(RunDir(run_dir).adapter("add").ledger().trained)
+    assert sorted(RunDir(run_dir).adapter("add").ledger().trained) == list(range(last + 1))
+    assert (run_dir / "adapters" / "add" / "checkpoints" / str(last)).is_dir()  # saved as it was withdrawn
+
+    wanted = ["retire_adapter[late]", f"train_step[add, rollout={last}]", "retire_adapter[add]"]
 
     def stored() -> dict[str, dict] | None:  # the server stores task-run states after the flow run has ended
-        runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [service]}}}).json()
+        query = {"flow_runs": {"id": {"any_": [service]}}, "task_runs": {"name": {"any_": wanted}}}
+        runs = httpx.post(f"{api}/task_runs/filter", json=query).json()
         by_name = {t["name"]: t for t in runs if t["state_type"] == "COMPLETED"}
-        return by_name if {"retire_adapter[late]", "train_step[add, rollout=79]"} <= by_name.keys() else None
+        return by_name if by_name.keys() == set(wanted) else None
 
     task_runs = _wait(stored, 30, "the service's task runs, completed")
     # The tenant trained and retired while the configured adapter was still training.
-    assert task_runs["retire_adapter[late]"]["end_time"] < task_runs["train_step[add, rollout=79]"]["start_time"]
+    assert task_runs["retire_adapter[late]"]["end_time"] < task_runs[f"train_step[add, rollout={last}]"]["start_time"]
 
 
 CHROMIUM = Path("/usr/bin/chromium")
