@@ -283,6 +283,13 @@ def test_a_tenant_submitted_through_its_deployment_trains_and_retires_while_anot
     message = httpx.get(f"{api}/flow_runs/{refusal}").json()["state"]["message"]
     assert "deployment rl-tenant-submit/tiny: imports are allowed only from miles" in message
     assert "module 'subprocess' is not allowed" in message
+    outside = dict(tenant, name="outside", data={"task": None, "path": "/var/tmp/elsewhere/prompts.jsonl"})
+    refusal = _run_deployment(env, "rl-tenant-submit/tiny", {"adapter": outside}, expect_success=False)
+    refused_run = httpx.get(f"{api}/flow_runs/{refusal}").json()
+    message = refused_run["state"]["message"]
+    assert refused_run["state_type"] == "FAILED"
+    assert "deployment rl-tenant-submit/tiny: these settings name places the deployment does not allow" in message
+    assert "adapters.1.data.path: /var/tmp/elsewhere/prompts.jsonl is outside the allowed roots" in message
     assert sorted(p.name for p in (run_dir / "tenants").iterdir()) == ["late.json"]
     _wait(lambda: sorted(RunDir(run_dir).adapter("late").ledger().trained) == [0, 1], 240, "the tenant's 2 rollouts")
 
