@@ -9,6 +9,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,28 @@ def commit_checkpoint(staging: Path, target: Path, rollout_id: int, state: dict[
     else:
         os.replace(staging, target)
     return target
+
+
+def write_checkpoint_from_ranks(
+    target: Path, rollout_id: int, state: dict[str, Any], rank: int, write_files: Callable[[Path], None]
+) -> Path:
+    """Write checkpoint `target` from every rank of a trainer group (or a single worker): rank 0 makes the staging
+    dir, every rank calls `write_files(staging)` (rank 0 its own files, each rank its optimizer shard), and once all
+    have written rank 0 commits it. An existing checkpoint (a retried save) is kept as it is."""
+    if target.exists():
+        return target
+    staging = staging_dir(target) if rank == 0 else staging_path(target)
+    _barrier()  # the other ranks write into the staging dir rank 0 has just made
+    write_files(staging)
+    _barrier()  # every rank's part is written before rank 0 takes the checksums
+    if rank == 0:
+        commit_checkpoint(staging, target, rollout_id, state)
+    return target
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def weights_dtype(model_dir: Path) -> str:

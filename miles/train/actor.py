@@ -11,18 +11,16 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles.checkpoint import (
     MODEL_DIR,
-    commit_checkpoint,
     load_optimizer,
     save_optimizer,
-    staging_dir,
     staging_path,
     weights_dtype,
+    write_checkpoint_from_ranks,
 )
 from miles.config import RunConfig
 from miles.run_dir import RunDir
@@ -255,18 +253,10 @@ class TrainActor:
         """Write the run's checkpoint of `rollout_id`: the model in HF format in its own dtype (full weights, written
         by rank 0), the optimizer (each rank its shard, with the float32 master weights when the model's dtype is
         narrower), the state; a retried save keeps the checkpoint already there."""
-        target = self.run_dir.checkpoint(rollout_id)
-        if target.exists():
-            return str(target)
-        staging = staging_dir(target) if self.rank == 0 else staging_path(target)
-        self._barrier()  # the other ranks write into the staging dir rank 0 has just made
-        self._write_model_dir(staging / MODEL_DIR, self.weights_dtype)
-        save_optimizer(self.model, self.optimizer, staging, master_weights=self.weights_dtype != "float32")
-        self._barrier()  # every rank's shard is written before rank 0 takes the checksums
-        if self.rank == 0:
-            commit_checkpoint(staging, target, rollout_id, state)
-        return str(target)
 
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
+        def write_files(staging: Path) -> None:
+            self._write_model_dir(staging / MODEL_DIR, self.weights_dtype)
+            save_optimizer(self.model, self.optimizer, staging, master_weights=self.weights_dtype != "float32")
+
+        target = self.run_dir.checkpoint(rollout_id)
+        return str(write_checkpoint_from_ranks(target, rollout_id, state, self.rank, write_files))

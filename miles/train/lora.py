@@ -23,7 +23,6 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
@@ -31,12 +30,10 @@ from transformers import AutoModelForCausalLM
 
 from miles.checkpoint import (
     ADAPTER_DIR,
-    commit_checkpoint,
     load_optimizer,
     save_optimizer,
-    staging_dir,
-    staging_path,
     weights_dtype,
+    write_checkpoint_from_ranks,
 )
 from miles.config import AdapterConfig, RunConfig
 from miles.run_dir import RunDir
@@ -207,18 +204,14 @@ class LoRATrainActor:
         """<adapter dir>/checkpoints/<rollout_id>/: `adapter/` (a PEFT directory, written by rank 0), the optimizer
         (through the DCP path every rank takes part in) and the state; a retried save keeps the checkpoint there."""
         adapter = self.adapters[name]
+
+        def write_files(staging: Path) -> None:
+            if self.rank == 0:
+                self._write_adapter_files(name, staging / ADAPTER_DIR)
+            save_optimizer(self.model, adapter.optimizer, staging)
+
         target = adapter.run_dir.checkpoint(rollout_id)
-        if target.exists():
-            return str(target)
-        staging = staging_dir(target) if self.rank == 0 else staging_path(target)
-        self._barrier()  # the other ranks write into the staging dir rank 0 has just made
-        if self.rank == 0:
-            self._write_adapter_files(name, staging / ADAPTER_DIR)
-        save_optimizer(self.model, adapter.optimizer, staging)
-        self._barrier()  # every rank's part is written before rank 0 takes the checksums
-        if self.rank == 0:
-            commit_checkpoint(staging, target, rollout_id, state)
-        return str(target)
+        return str(write_checkpoint_from_ranks(target, rollout_id, state, self.rank, write_files))
 
     def _write_adapter_files(self, name: str, target: Path) -> None:
         target.mkdir()
@@ -230,7 +223,3 @@ class LoRATrainActor:
             str(target / ADAPTER_WEIGHTS),
             metadata={"format": "pt"},
         )
-
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()

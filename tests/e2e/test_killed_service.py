@@ -16,6 +16,7 @@ from miles.run_dir import RunDir
 from tests.e2e.test_cli import PROJECT, _miles
 from tests.helpers import small_overrides
 from tests.helpers.waiting import eventually
+from tests.miles.test_ray_local import alive
 
 # The configured adapter's rollouts take about a quarter of a second each: its budget outlasts a tenant submission
 # (a CLI process of its own, several seconds) a few times over. The tenant's budget leaves a window of seconds
@@ -32,16 +33,6 @@ SERVICE = [
 
 def _trained(run_dir, name: str) -> list[int]:
     return sorted(RunDir(run_dir).adapter(name).ledger().trained)
-
-
-def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    def lives(process: psutil.Process) -> bool:
-        try:
-            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    return [process for process in processes if lives(process)]
 
 
 def _environ(pid: int) -> bytes:
@@ -64,8 +55,8 @@ def _ray_mark(processes: list[psutil.Process]) -> bytes | None:
 def _left(service: list[psutil.Process], session: int, mark: bytes) -> list[str]:
     """What still lives of the killed service: its processes as seen before the kill, any process of its session,
     and any carrying its Ray mark (whoever its parent is by now)."""
-    found = {process.pid: process for process in _alive(service)}
-    for process in _alive(list(psutil.process_iter())):
+    found = {process.pid: process for process in alive(service)}
+    for process in alive(list(psutil.process_iter())):
         try:
             if process.pid != os.getpid() and (os.getsid(process.pid) == session or mark in _environ(process.pid)):
                 found[process.pid] = process

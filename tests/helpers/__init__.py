@@ -151,12 +151,7 @@ def small_llama(vocab: int = 50, **config):
 
 
 def write_checkpoint(target: Path, rollout_id: int, state: dict, write_files) -> Path:
-    """A checkpoint directory as a trainer commits one: `write_files(staging)` fills its staging dir, then
-    commit_checkpoint. An existing checkpoint is kept as it is."""
-    from miles.checkpoint import commit_checkpoint, staging_dir
+    """A checkpoint directory as a single trainer worker commits one (`write_files(staging)` fills it)."""
+    from miles.checkpoint import write_checkpoint_from_ranks
 
-    if target.exists():
-        return target
-    staging = staging_dir(target)
-    write_files(staging)
-    return commit_checkpoint(staging, target, rollout_id, state)
+    return write_checkpoint_from_ranks(target, rollout_id, state, 0, write_files)
