@@ -22,7 +22,9 @@ The schedule is written once, `miles.schedules.one_step_off_policy`, over the ta
 from __future__ import annotations
 
 from prefect import flow
+from prefect.client.schemas.objects import State
 
+from flows.control import FlowRunControl
 from flows.report import RunReport
 from flows.runtime import check_deployment_run
 from miles import schedules
@@ -32,13 +34,12 @@ from tasks import STEPS
 
 
 @flow(name="rl-async")
-def async_rl(config: RunConfig) -> dict:
+def async_rl(config: RunConfig) -> dict | State:
     check_deployment_run(config)
     check_off_policy_correction(config)
-    with RLRun(config) as run:
+    with RLRun(config) as run, FlowRunControl() as control:
         report = RunReport(run, "rl-async")
-        for rollout_id in schedules.one_step_off_policy(run, STEPS):
+        for rollout_id in schedules.one_step_off_policy(run, control.steps(STEPS)):
             report.iteration_done(rollout_id)
-        if run.rollout_ids():
-            report.finish()
-    return report.summary()
+        report.finish()
+    return control.end(report.summary())

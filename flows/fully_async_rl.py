@@ -33,7 +33,9 @@ The schedule is written once, `miles.schedules.fully_async`, over the tasks; `mi
 from __future__ import annotations
 
 from prefect import flow
+from prefect.client.schemas.objects import State
 
+from flows.control import FlowRunControl
 from flows.report import RunReport
 from flows.runtime import check_deployment_run
 from miles import schedules
@@ -43,13 +45,12 @@ from tasks import STEPS
 
 
 @flow(name="rl-fully-async")
-def fully_async_rl(config: RunConfig) -> dict:
+def fully_async_rl(config: RunConfig) -> dict | State:
     check_deployment_run(config)
     check_fully_async(config)
-    with RLRun(config) as run:
+    with RLRun(config) as run, FlowRunControl() as control:
         report = RunReport(run, "rl-fully-async")
-        for rollout_id in schedules.fully_async(run, STEPS):
+        for rollout_id in schedules.fully_async(run, control.steps(STEPS)):
             report.iteration_done(rollout_id)
-        if run.rollout_ids():
-            report.finish()
-    return report.summary()
+        report.finish()
+    return control.end(report.summary())

@@ -44,21 +44,27 @@ class RunReport:
         self.run = run
         self.flow_name = flow_name
         self.records: list[dict[str, Any]] = []
-        self.total = run.config.num_rollout
         self.shown = int(100 * run.rollout_ids().start / self.total)
         self.progress = create_progress_artifact(
             progress=float(self.shown), key=f"{flow_name}-progress", description=f"rollouts of {run.config.run_dir}"
         )
 
+    @property
+    def total(self) -> int:
+        """The run's rollouts, as its config's changes leave it."""
+        return self.run.config.final.num_rollout
+
     def iteration_done(self, rollout_id: int) -> None:
         self.records.append(self.run.finish_iteration(rollout_id))
-        percent = int(100 * (rollout_id + 1) / self.total)
+        percent = min(100, int(100 * (rollout_id + 1) / self.total))
         if percent > self.shown:  # one update per whole percent keeps API writes off the hot path
             update_progress_artifact(artifact_id=self.progress, progress=float(percent))
             self.shown = percent
 
     def finish(self) -> None:
-        """Write the metrics table and the markdown summary with the curves."""
+        """Write the metrics table and the markdown summary with the curves (nothing when no iteration ran)."""
+        if not self.records:
+            return
         last = self.records[-1]["rollout_id"]
         create_table_artifact(
             key=f"{self.flow_name}-metrics",

@@ -17,7 +17,9 @@ The schedule is written once, `miles.schedules.sync`, over the tasks; `miles.loo
 from __future__ import annotations
 
 from prefect import flow
+from prefect.client.schemas.objects import State
 
+from flows.control import FlowRunControl
 from flows.report import RunReport
 from flows.runtime import check_deployment_run
 from miles import schedules
@@ -27,12 +29,11 @@ from tasks import STEPS
 
 
 @flow(name="rl-sync")
-def sync_rl(config: RunConfig) -> dict:
+def sync_rl(config: RunConfig) -> dict | State:
     check_deployment_run(config)
-    with RLRun(config) as run:
+    with RLRun(config) as run, FlowRunControl() as control:
         report = RunReport(run, "rl-sync")
-        for rollout_id in schedules.sync(run, STEPS):
+        for rollout_id in schedules.sync(run, control.steps(STEPS)):
             report.iteration_done(rollout_id)
-        if run.rollout_ids():
-            report.finish()
-    return report.summary()
+        report.finish()
+    return control.end(report.summary())

@@ -263,6 +263,10 @@ class RestartableActor:
                 group.kill()
                 self._lost = True
 
+    def release(self) -> None:
+        """Stop the group now; the next call starts it again, rebuilt from the run directory."""
+        self._mark_lost(self.group)
+
     def kill(self) -> None:
         self.group.kill()
 

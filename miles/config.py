@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from miles.engines import check_engine_name
 from miles.run_dir import RunDir
@@ -561,6 +571,86 @@ OWN_DATA_PRESET: dict[tuple[str, str], Any] = {
 }
 
 
+# The fields a run may change in its middle (README, "Pause, steer, resume"), by their name in the pause form: they
+# change how the rollouts after the change are sampled and trained, how long the run goes and what is due, never what a
+# stored rollout means. A rollout's sampling temperature is its own: the trainer reads a rollout's log-probs at the
+# temperature in effect at that rollout.
+MID_RUN_FIELDS = {
+    "lr": "train.lr",
+    "temperature": "rollout.temperature",
+    "kl_loss_coef": "algo.kl_loss_coef",
+    "entropy_coef": "algo.entropy_coef",
+    "num_rollout": "num_rollout",
+    "save_interval": "save_interval",
+    "eval_interval": "eval.interval",
+}
+
+
+class ConfigChange(_Section):
+    """Values that take effect at `rollout_id` and after: a run's schedule of changes (`RunConfig.changes`), or a
+    change made while the run was paused (recorded in run.json with who made it and why)."""
+
+    rollout_id: int = Field(ge=0, description="the first rollout the values apply to")
+    values: dict[str, Any] = Field(description="config field (dotted, e.g. train.lr) -> its value from rollout_id on")
+    by: str = Field("", description="who made the change")
+    reason: str = ""
+    time: float | None = Field(None, description="when it was made (seconds since the epoch)")
+
+    @field_validator("values")
+    @classmethod
+    def _mid_run_fields(cls, values: dict[str, Any]) -> dict[str, Any]:
+        allowed = set(MID_RUN_FIELDS.values())
+        refused = sorted(set(values) - allowed)
+        if refused:
+            raise ValueError(
+                f"{', '.join(refused)} cannot change in the middle of a run (what a stored rollout means would "
+                f"change); these can: {', '.join(sorted(allowed))}"
+            )
+        return values
+
+
+class MidRunSettings(_Section):
+    """The values a paused run may change (MID_RUN_FIELDS), by their name in the pause form, with who changes them and
+    why. `of(config)` holds the values in effect; `change(...)` is what differs from them."""
+
+    lr: float = Field(gt=0, description="train.lr: the optimizer's learning rate")
+    temperature: float = Field(ge=0, description="rollout.temperature: sampling temperature of the next rollouts")
+    kl_loss_coef: float = Field(ge=0, description="algo.kl_loss_coef: weight of the KL loss (algo.use_kl_loss)")
+    entropy_coef: float = Field(ge=0, description="algo.entropy_coef: weight of the entropy bonus")
+    num_rollout: int = Field(gt=0, description="num_rollout: where the run ends")
+    save_interval: int = Field(gt=0, description="save_interval: a checkpoint every N rollouts")
+    eval_interval: int | None = Field(None, gt=0, description="eval.interval: an evaluation every N rollouts")
+    changed_by: str = Field("", description="who makes the change (recorded with it)")
+    reason: str = Field("", description="why (recorded with it)")
+
+    @classmethod
+    def of(cls, config: RunConfig, rollout_id: int) -> MidRunSettings:
+        """The values in effect at `rollout_id`."""
+        config = config.at(rollout_id)
+        return cls(**{name: field_value(config, field) for name, field in MID_RUN_FIELDS.items()})
+
+    def change(self, config: RunConfig, rollout_id: int) -> ConfigChange | None:
+        """The values that differ from those in effect at `rollout_id`, as a change from `rollout_id` on (None: none)."""
+        current = self.of(config, rollout_id)
+        values = {
+            field: getattr(self, name)
+            for name, field in MID_RUN_FIELDS.items()
+            if getattr(self, name) != getattr(current, name)
+        }
+        if not values:
+            return None
+        return ConfigChange(
+            rollout_id=rollout_id, values=values, by=self.changed_by, reason=self.reason, time=time.time()
+        )
+
+
+def field_value(config: BaseModel, field: str) -> Any:
+    """The value of the dotted `field` (e.g. train.lr) of `config`."""
+    for name in field.split("."):
+        config = getattr(config, name)
+    return config
+
+
 class RunConfig(_Section):
     run_dir: str = Field("runs/tiny", json_schema_extra=FILE_PATH)
     seed: int = 0
@@ -590,6 +680,49 @@ class RunConfig(_Section):
         description="LoRA adapters of the multi-LoRA flow; unset on the embedded model: one per built-in task",
     )
     tenants: TenantsConfig = TenantsConfig()
+    changes: list[ConfigChange] = Field(
+        default_factory=list,
+        description="values that change at a given rollout (e.g. train.lr from rollout 50 on); a paused run's changes "
+        "are recorded in its run.json and applied on top",
+    )
+    _at_rollout: dict[int, RunConfig] = PrivateAttr(default_factory=dict)
+
+    @field_validator("changes")
+    @classmethod
+    def _in_rollout_order(cls, changes: list[ConfigChange]) -> list[ConfigChange]:
+        return sorted(changes, key=lambda change: change.rollout_id)
+
+    def at(self, rollout_id: int) -> RunConfig:
+        """The config in effect at `rollout_id`: `changes` due by then applied in order."""
+        due = sum(1 for change in self.changes if change.rollout_id <= rollout_id)
+        if not due:
+            return self
+        if due not in self._at_rollout:
+            data = self.model_dump()
+            for change in self.changes[:due]:
+                for field, value in change.values.items():
+                    *sections, name = field.split(".")
+                    node = data
+                    for section in sections:
+                        node = node[section]
+                    node[name] = value
+            try:
+                self._at_rollout[due] = RunConfig.model_validate(data)
+            except ValidationError as err:
+                raise ConfigError(_format_validation_error(err, f"changes due at rollout {rollout_id}")) from None
+        return self._at_rollout[due]
+
+    @property
+    def final(self) -> RunConfig:
+        """The config once every change has taken effect (its num_rollout is where the run ends)."""
+        return self.at(self.changes[-1].rollout_id) if self.changes else self
+
+    def with_changes(self, changes: list[ConfigChange]) -> RunConfig:
+        """This config with `changes` added to its schedule (those it holds already are not repeated)."""
+        added = [change for change in changes if change not in self.changes]
+        if not added:
+            return self
+        return RunConfig.model_validate({**self.model_dump(), "changes": [*self.changes, *added]})
 
     @model_validator(mode="after")
     def _preset(self) -> RunConfig:
@@ -684,6 +817,7 @@ class RunConfig(_Section):
             data=adapter.data.model_dump(),
             eval=adapter.eval.model_dump(),
             adapters=[],
+            changes=[],
         )
         data["rollout"].update(
             rollout_batch_size=adapter.rollout_batch_size, n_samples_per_prompt=adapter.n_samples_per_prompt
@@ -713,6 +847,7 @@ CHANGES_FREELY = (
     "eval",
     "logging",
     "tenants",
+    "changes",
     "rollout.engine",
     "rollout.num_engines",
     "rollout.num_threads",
@@ -770,6 +905,11 @@ def _changes_freely(field: str) -> bool:
     parts = field.split(".")
     pattern = ".".join(["adapters", "*", *parts[2:]]) if parts[0] == "adapters" and len(parts) > 2 else field
     return any(pattern == safe or pattern.startswith(f"{safe}.") for safe in CHANGES_FREELY)
+
+
+def recorded_changes(run_dir: RunDir) -> list[ConfigChange]:
+    """The changes made in the middle of the run in `run_dir` (run.json), to apply on top of a start's config."""
+    return [ConfigChange.model_validate(change) for change in run_dir.recorded_changes()]
 
 
 class ConfigError(ValueError):

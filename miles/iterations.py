@@ -51,38 +51,37 @@ class PolicyInputs(NamedTuple):
 @dataclass(frozen=True)
 class Slice:
     """The rollouts one start of a run trains, and what is due after each: the one place that decides the end of a
-    slice (`iterations_per_run` rollouts) and of the run (`num_rollout`).
+    slice (`iterations_per_run` rollouts) and of the run (`num_rollout`, as the config's changes leave it).
 
     The engines get the weights trained on a rollout every `update_weights_interval` rollouts, and after the slice's
     last rollout exactly when the slice's closing evaluation reads them (otherwise the next start loads its engines
-    from the checkpoint, and a retiring adapter leaves them). A checkpoint is saved every `save_interval` rollouts
-    and after the slice's last rollout, where the next start resumes."""
+    from the checkpoint, and a retiring adapter leaves them). A checkpoint is saved every `save_interval` rollouts (the
+    interval in effect at that rollout) and after the slice's last rollout, where the next start resumes."""
 
-    rollout_ids: range
-    num_rollout: int
-    update_weights_interval: int
-    save_interval: int
+    config: RunConfig
+    first_rollout_id: int
 
-    @classmethod
-    def of(cls, config: RunConfig, first_rollout_id: int) -> Slice:
-        per_run = config.iterations_per_run or config.num_rollout
-        rollout_ids = range(first_rollout_id, min(config.num_rollout, first_rollout_id + per_run))
-        return cls(rollout_ids, config.num_rollout, config.update_weights_interval, config.save_interval)
+    @property
+    def rollout_ids(self) -> range:
+        num_rollout = self.config.final.num_rollout
+        per_run = self.config.iterations_per_run or num_rollout
+        return range(self.first_rollout_id, min(num_rollout, self.first_rollout_id + per_run))
 
     def is_last(self, rollout_id: int) -> bool:
         """The slice's last rollout (the run's last, when the slice reaches num_rollout)."""
         return rollout_id == self.rollout_ids.stop - 1
 
     def ends_run(self, rollout_id: int) -> bool:
-        return rollout_id == self.num_rollout - 1
+        return rollout_id == self.config.final.num_rollout - 1
 
     def sync_due(self, rollout_id: int, closing_evaluation_due: bool) -> bool:
         if self.is_last(rollout_id):
             return closing_evaluation_due
-        return trained_version(rollout_id) % self.update_weights_interval == 0
+        return trained_version(rollout_id) % self.config.update_weights_interval == 0
 
     def save_due(self, rollout_id: int) -> bool:
-        return trained_version(rollout_id) % self.save_interval == 0 or self.is_last(rollout_id)
+        interval = self.config.at(rollout_id).save_interval
+        return trained_version(rollout_id) % interval == 0 or self.is_last(rollout_id)
 
 
 class Iterations:
@@ -106,7 +105,7 @@ class Iterations:
         self.executor = RolloutExecutor(
             self.config, controller, tokenizer, self.data_source, self.store, inputs.reward, adapter
         )
-        self.slice = Slice.of(self.config, plan.first_rollout_id)
+        self.slice = Slice(self.config, plan.first_rollout_id)
         self.ledger = self.run_dir.ledger()
         self.trainer_version = plan.trainer_version  # the driver's record of the weights the trainer holds
         kept = self.run_dir.keep_metrics_before(plan.first_rollout_id)
@@ -160,6 +159,11 @@ class Iterations:
                 list(plan.replay),
             )
         return trainer
+
+    def change_config(self, config: RunConfig) -> None:
+        """Go on with `config`: this run's config with changes added to its schedule, none before the next rollout."""
+        self.config = self.executor.config = config
+        self.slice = Slice(config, self.slice.first_rollout_id)
 
     def rollout_ids(self) -> range:
         """The rollouts this run trains: up to num_rollout, at most iterations_per_run of them."""
@@ -220,6 +224,10 @@ class Iterations:
         record: dict[str, Any] = {"rollout_id": rollout_id}
         if self.adapter:
             record["adapter"] = self.adapter
+        record["lr"] = self.config.at(rollout_id).train.lr
+        changed = {f: v for c in self.config.changes if c.rollout_id == rollout_id for f, v in c.values.items()}
+        if changed:
+            record["config_change"] = changed
         record["finished_at"] = time.time()
         record.update(self._summaries.pop(rollout_id, {}))
         record.update(self._metrics.pop(rollout_id, {}))
@@ -232,7 +240,7 @@ class Iterations:
         ids = self.rollout_ids()
         return (
             ids.start <= rollout_id <= ids.stop
-            and self.config.should_evaluate(rollout_id)
+            and self.config.at(rollout_id).should_evaluate(rollout_id)
             and any((rollout_id, s.dataset.name) not in self._evaluations for s in self.evaluation.sets)
         )
 

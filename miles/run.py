@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from miles.checkpoint import MODEL_DIR
 from miles.cluster import ActorGroup, RestartableActor, ensure_ray
-from miles.config import ConfigError, RunConfig
+from miles.config import ConfigChange, ConfigError, RunConfig, recorded_changes
 from miles.data import check_prompt_tokens, load_rows
 from miles.data.prompts import PromptFormatter
 from miles.engines import weight_transport
@@ -158,6 +158,7 @@ class RLRun:
     def __init__(self, config: RunConfig):
         # Every node resolves the run directory alike, whatever its working directory.
         config = config.model_copy(update={"run_dir": str(Path(config.run_dir).resolve())})
+        config = config.with_changes(recorded_changes(RunDir(config.run_dir)))
         inputs = check_run(config)
         self.transport = weight_transport(config.rollout, config.train)
         self.config = config
@@ -256,6 +257,31 @@ class RLRun:
 
     def rollout_ids(self) -> range:
         return self.iterations.rollout_ids()
+
+    def change_config(self, change: ConfigChange) -> None:
+        """Apply `change` from its rollout on (one not yet generated), and record it in run.json for every later start."""
+        config = self.config.with_changes([change])
+        config.at(change.rollout_id)  # refuses values that do not validate, before anything changes
+        if config.final.num_rollout < change.rollout_id:
+            raise ConfigError(
+                f"num_rollout: {config.final.num_rollout} ends the run before rollouts it has trained "
+                f"(the next is {change.rollout_id})"
+            )
+        self.trainer.call(TrainActor.change_config, config)
+        self.config = config
+        self.iterations.change_config(config)
+        self.run_dir.record_change(change.model_dump(mode="json"))
+
+    def release(self) -> None:
+        """Stop the engines and the trainer group, keeping the run: `start_again` brings them back."""
+        self.controller.shutdown()
+        self.trainer.release()
+
+    def start_again(self) -> None:
+        """After `release`, at a boundary where the trained weights are saved: the engines start on them; the trainer
+        group starts on its next call, from the run directory."""
+        version = self.iterations.trainer_version
+        self.controller.start_again(str(self.run_dir.checkpoint(version - 1) / MODEL_DIR), version)
 
     def generate(self, rollout_id: int) -> dict[str, Any]:
         return self.iterations.generate(rollout_id)

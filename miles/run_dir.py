@@ -154,6 +154,17 @@ class RunDir:
         record = self._record()
         return record["config"] if record else None
 
+    def record_change(self, change: dict[str, Any]) -> None:
+        """A change of config values made in the middle of the run (ConfigChange's JSON form), kept for every later
+        start: run.json's `changes`."""
+        record = self._record() or {"starts": []}
+        record.setdefault("changes", []).append(change)
+        write_json_atomic(self.record_path, record)
+
+    def recorded_changes(self) -> list[dict[str, Any]]:
+        record = self._record()
+        return record.get("changes", []) if record else []
+
     def record_start(self, config: dict[str, Any], initial_model: Path, start: dict[str, Any]) -> None:
         record = self._record() or {"starts": []}
         record.update(config=config, initial_model=str(initial_model), versions=_versions())

@@ -15,7 +15,7 @@ import logging
 import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from miles.multi_lora import TENANT_POLL_S, AdapterRun, MultiLoRARun
 from miles.run import RLRun
@@ -29,9 +29,30 @@ class Step(Protocol):
     def submit(self, run: Any, *args: Any, wait_for: list | None = None) -> Any: ...
 
 
+class Control(Protocol):
+    """What a user asks of a running schedule, which it does at the next iteration boundary, with nothing in flight
+    (flows/control.py: the Prefect UI, API and automations)."""
+
+    def requested(self) -> Literal["pause", "cancel"] | None: ...
+
+    def pause(self, run: Any, next_rollout_id: int) -> None:
+        """Wait until the user resumes the run; apply what they changed meanwhile (`run.change_config`)."""
+
+
+class NoControl:
+    """A schedule nobody pauses or cancels (the plain loops)."""
+
+    def requested(self) -> None:
+        return None
+
+    def pause(self, run: Any, next_rollout_id: int) -> None:
+        raise AssertionError("nothing requested a pause")
+
+
 @dataclass(frozen=True)
 class Steps:
-    """The steps of every graph; each is one call into the run (RLRun or AdapterRun) of the same name."""
+    """The steps of every graph; each is one call into the run (RLRun or AdapterRun) of the same name; `control`
+    says what the user asks between two iterations."""
 
     evaluate: Step
     generate: Step
@@ -41,6 +62,7 @@ class Steps:
     save_checkpoint: Step
     push_adapter: Step
     retire_adapter: Step
+    control: Control = NoControl()
 
 
 def sync_iteration(run: RLRun, steps: Steps, rollout_id: int) -> None:
@@ -58,11 +80,29 @@ def sync_iteration(run: RLRun, steps: Steps, rollout_id: int) -> None:
 
 def sync(run: RLRun, steps: Steps) -> Iterator[int]:
     """rl-sync: the iterations one after another, then the evaluation of the final weights."""
-    for rollout_id in run.rollout_ids():
+    rollout_id = run.rollout_ids().start
+    while rollout_id in run.rollout_ids():
         sync_iteration(run, steps, rollout_id)
         yield rollout_id
-    if run.should_evaluate(run.rollout_ids().stop):
-        steps.evaluate(run, run.rollout_ids().stop)
+        rollout_id += 1
+        if not at_boundary(run, steps, rollout_id):
+            return
+    if run.should_evaluate(rollout_id):
+        steps.evaluate(run, rollout_id)
+
+
+def at_boundary(run: RLRun, steps: Steps, next_rollout_id: int) -> bool:
+    """Between two iterations, with nothing in flight: do what the user asked. The run's checkpoint is saved first,
+    where a released or cancelled run starts again. False: the run stops here (cancelled)."""
+    request = steps.control.requested()
+    if request is None:
+        return True
+    if not run.should_save(next_rollout_id - 1):
+        steps.save_checkpoint(run, next_rollout_id - 1)
+    if request == "cancel":
+        return False
+    steps.control.pause(run, next_rollout_id)
+    return True
 
 
 def one_step_off_policy(run: RLRun, steps: Steps) -> Iterator[int]:
@@ -80,14 +120,23 @@ def fully_async(run: RLRun, steps: Steps) -> Iterator[int]:
 
 def _generating_ahead(run: RLRun, steps: Steps, window: int, pushes_wait_for_generations: bool) -> Iterator[int]:
     """The two off-policy graphs: `window` generations in flight ahead of the rollout being trained; a push waits
-    for the evaluation in flight, and for the generations too when `pushes_wait_for_generations`."""
-    rollout_ids = run.rollout_ids()
-    evaluation = steps.evaluate.submit(run, rollout_ids.start) if run.should_evaluate(rollout_ids.start) else None
-    in_flight = {i: steps.generate.submit(run, i) for i in rollout_ids[:window]}
-    for rollout_id in rollout_ids:
+    for the evaluation in flight, and for the generations too when `pushes_wait_for_generations`. Once the user asks
+    for a pause or a cancel, no generation starts: the rollouts in flight are trained first (drained), then the
+    boundary is reached."""
+    rollout_id = run.rollout_ids().start
+    evaluation = steps.evaluate.submit(run, rollout_id) if run.should_evaluate(rollout_id) else None
+    in_flight: dict[int, Any] = {}
+
+    def fill(first: int) -> None:
+        for i in range(first, first + window):
+            if i in run.rollout_ids() and i not in in_flight:
+                in_flight[i] = steps.generate.submit(run, i)
+
+    fill(rollout_id)
+    while rollout_id in run.rollout_ids():
         table = steps.get(run, rollout_id, wait_for=[in_flight.pop(rollout_id)])
-        if rollout_id + window in rollout_ids:
-            in_flight[rollout_id + window] = steps.generate.submit(run, rollout_id + window)
+        if steps.control.requested() is None:
+            fill(rollout_id + 1)
         steps.train_step(run, rollout_id, table)
         if run.should_sync(rollout_id):
             generations = list(in_flight.values()) if pushes_wait_for_generations else []
@@ -97,6 +146,13 @@ def _generating_ahead(run: RLRun, steps: Steps, window: int, pushes_wait_for_gen
         if run.should_save(rollout_id):
             steps.save_checkpoint(run, rollout_id)
         yield rollout_id
+        rollout_id += 1
+        if steps.control.requested() is not None and not in_flight:
+            if evaluation is not None:
+                evaluation.result()
+            if not at_boundary(run, steps, rollout_id):
+                return
+            fill(rollout_id)
     if evaluation is not None:
         evaluation.result()
 

@@ -53,6 +53,7 @@ class InferenceController:
 
     def __init__(self, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: list[AdapterConfig] = ()):
         self.engine_class = resolve_engine(rollout.engine)
+        self._rollout, self._adapter_configs = rollout, list(adapters)
         self._engine_args = self.engine_class.launch_args(model_dir, weight_version, rollout, adapters)
         self.ranks_per_engine = self.engine_class.ranks(rollout)
         self._engine_options = actor_options(rollout.device, self.ranks_per_engine, ENGINE_CONCURRENCY)
@@ -232,6 +233,16 @@ class InferenceController:
         with self._engines_lock:
             self._on_every_engine(RolloutEngine.unload_adapter, name)
             self._adapters.pop(name, None)
+
+    def start_again(self, model_dir: str, weight_version: int) -> None:
+        """After `shutdown`: as many engines as before, started from `model_dir` at `weight_version`, with the adapters
+        they served."""
+        with self._engines_lock:
+            args = self.engine_class.launch_args(model_dir, weight_version, self._rollout, self._adapter_configs)
+            self._engine_args, self._push, self._weight_version = args, None, weight_version
+            self.engines = [self._start_engine() for _ in range(self._rollout.num_engines)]
+            for name, (tensors_ref, config, version) in self._adapters.items():
+                self._on_every_engine(RolloutEngine.load_adapter, name, tensors_ref, config, version)
 
     def shutdown(self) -> None:
         for engine in self.engines:

@@ -7,6 +7,7 @@ import inspect
 import logging
 import math
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -159,8 +160,9 @@ class RolloutExecutor:
         n = cfg.n_samples_per_prompt
         slot = rollout_id * cfg.max_generate_rounds + round_
         seed = rollout_seed(self.config.seed, rollout_id) + round_ * self.config.samples_per_rollout
+        sampling = replace(self.sampling, temperature=self.config.at(rollout_id).rollout.temperature)
         samples = [
-            RolloutSample(row=row, seed=seed + k * n + j, sampling=self.sampling, adapter=self.adapter)
+            RolloutSample(row=row, seed=seed + k * n + j, sampling=sampling, adapter=self.adapter)
             for k, row in enumerate(rows)
             for j in range(n)
         ]

@@ -28,7 +28,7 @@ from miles.seeds import train_seed
 from miles.tensor_payload import serialize_named_tensors
 from miles.train.logprobs import token_logprobs
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, join_trainer_group, shard_model
-from miles.train.update import batch_logprobs, train_on_rollout
+from miles.train.update import batch_logprobs, set_lr, train_on_rollout
 from miles.weight_check import WeightProbe, probe_ids
 from miles.weight_group import Membership, TensorSpec, WeightGroup, send_bucket
 
@@ -99,6 +99,10 @@ class TrainActor:
             model.to(self.device)
         return model
 
+    def change_config(self, config: RunConfig) -> None:
+        """Train the rollouts after this call with `config` (the run's config with changes added to its schedule)."""
+        self.config = config
+
     def trained_rollouts(self) -> list[int]:
         return sorted(self.trained)
 
@@ -108,15 +112,17 @@ class TrainActor:
         if rollout_id in self.trained:
             return self.trained[rollout_id]
         torch.manual_seed(train_seed(self.config.seed, rollout_id, self.rank))
+        config = self.config.at(rollout_id)
+        set_lr(self.optimizer, config.train.lr)
         reference = None
         if self.ref_model is not None:
-            reference = partial(batch_logprobs, self.ref_model, config=self.config, device=self.device)
+            reference = partial(batch_logprobs, self.ref_model, config=config, device=self.device)
         metrics = train_on_rollout(
             self.model,
             self.optimizer,
             list(self.model.parameters()),
             table,
-            self.config,
+            config,
             self.device,
             self.pad_token_id,
             reference,

@@ -223,6 +223,12 @@ def micro_batch_loss(
     return loss
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The learning rate in effect for the next steps (a run's config may change it at a rollout)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def sum_replicated_gradients(params: list[torch.nn.Parameter]) -> None:
     """In a process group, sum over the ranks the gradients of the parameters every rank holds whole (LoRA adapters
     beside a sharded base), as FSDP's reduce-scatter sums the sharded ones: each rank's loss is its share of the global

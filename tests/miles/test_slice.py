@@ -6,7 +6,7 @@ from miles.iterations import Slice
 
 def _slice(first_rollout_id: int) -> Slice:
     config = load_config(None, ["iterations_per_run=4", "update_weights_interval=3"], num_rollout=10, save_interval=5)
-    return Slice.of(config, first_rollout_id)
+    return Slice(config, first_rollout_id)
 
 
 def test_a_slice_is_at_most_iterations_per_run_rollouts_up_to_num_rollout():

@@ -1,0 +1,240 @@
+"""Pause, steer, resume and cancel a running RL flow at an iteration boundary, on Prefect's own states.
+
+Asking (any of these, at any time; the iteration in flight finishes first, the async graphs drain what is in flight):
+- the UI's Pause on a deployment's flow run (a Suspended state), an automation's suspend or pause action, or a Paused
+  state set through the API: pause;
+- `miles pause FLOW_RUN_ID [--release]` (a Running state named Pausing, or Suspending to release), an automation that
+  sets one of those: pause without the flow run's tasks ever waiting;
+- the UI's Cancel, `prefect flow-run cancel`, `miles cancel` (a Running state named Stopping): cancel.
+
+A watcher thread reads the flow run's state every POLL_S seconds; a Paused or Cancelling state it finds is turned back
+into Running at once (named Pausing, Suspending or Stopping, with the reason), so that the iteration in flight runs on
+instead of waiting. At the boundary the run saves its checkpoint, then:
+- pause: the flow run pauses with `pause_flow_run` and a typed form (MidRunSettings, prefilled with the values in
+  effect); the engines and the trainer are released meanwhile when asked (Suspended, Suspending), held otherwise.
+  Resume in the UI (its form) or with `miles resume FLOW_RUN_ID --set lr=...`: what differs is applied from the next
+  rollout on and recorded in run.json, the next iteration's metrics line and the `<flow>-config-changes` artifact;
+- cancel: the flow run ends Cancelled; the run directory resumes with `miles run` as any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any, Literal
+from uuid import UUID
+
+import pydantic
+from prefect.artifacts import create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import State
+from prefect.context import FlowRunContext
+from prefect.flow_runs import pause_flow_run, resume_flow_run
+from prefect.input import RunInput
+from prefect.states import Cancelled, Running
+
+from miles.config import MID_RUN_FIELDS, ConfigError, MidRunSettings, field_value
+from miles.schedules import Steps
+
+log = logging.getLogger(__name__)
+
+POLL_S = 2.0
+PAUSE_TIMEOUT_VARIABLE = "MILES_PAUSE_TIMEOUT_S"
+# How long a paused run waits for its resume before the flow run fails (its run directory resumes all the same).
+DEFAULT_PAUSE_TIMEOUT_S = 7 * 24 * 3600
+
+PAUSING, SUSPENDING, STOPPING = "Pausing", "Suspending", "Stopping"
+
+
+@dataclass(frozen=True)
+class Request:
+    action: Literal["pause", "cancel"]
+    release: bool
+    reason: str
+    asked_at: datetime | None = None
+
+
+def request_of(state: State) -> Request | None:
+    """What a state of a running flow run asks of it: a pause (releasing or holding), a cancel, or nothing. The
+    pause the run makes itself (a Paused state with a pause key) asks nothing."""
+    details = state.state_details
+    if state.is_paused() and not details.pause_key:
+        return Request("pause", bool(details.pause_reschedule), state.message or "", state.timestamp)
+    if state.is_cancelling():
+        return Request("cancel", False, state.message or "", state.timestamp)
+    if state.is_running() and state.name in (PAUSING, SUSPENDING, STOPPING):
+        action = "cancel" if state.name == STOPPING else "pause"
+        return Request(action, state.name == SUSPENDING, state.message or "", state.timestamp)
+    return None
+
+
+def asking_state(request: Request) -> State:
+    """The Running state that carries `request` until the boundary."""
+    name = STOPPING if request.action == "cancel" else SUSPENDING if request.release else PAUSING
+    what = "cancels" if request.action == "cancel" else "pauses"
+    return Running(
+        name=name, message=f"{what} at the next iteration boundary" + (f": {request.reason}" * bool(request.reason))
+    )
+
+
+class FlowRunControl:
+    """The Control (miles.schedules) of the flow run it is made in: `steps(STEPS)` gives the flow's steps with it."""
+
+    def __init__(self, poll_s: float = POLL_S):
+        context = FlowRunContext.get()
+        self.flow_run_id = context.flow_run.id
+        self.flow_name = context.flow.name
+        self.poll_s = poll_s
+        self.cancelled = False
+        self.pauses = 0
+        self._request: Request | None = None
+        self._handled_until: datetime | None = None  # requests made before this are done
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="flow-run-control", daemon=True)
+
+    def __enter__(self) -> FlowRunControl:
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._watcher.join()
+
+    def steps(self, steps: Steps) -> Steps:
+        return replace(steps, control=self)
+
+    def _watch(self) -> None:
+        with get_client(sync_client=True) as client:
+            while not self._stop.wait(self.poll_s):
+                try:
+                    state = client.read_flow_run(self.flow_run_id).state
+                except Exception as exc:  # noqa: BLE001 - an API that does not answer now may answer at the next poll
+                    log.debug("reading the flow run's state failed: %s", exc)
+                    continue
+                request = request_of(state) if state is not None else None
+                with self._lock:
+                    if request is None or self._request is not None:
+                        continue
+                    if self._handled_until is not None and request.asked_at <= self._handled_until:
+                        continue
+                    self._request = request
+                if not state.is_running():  # the tasks of the iteration in flight would wait (paused) or fail
+                    client.set_flow_run_state(self.flow_run_id, asking_state(request), force=True)
+                log.warning("%s asked: %s at the next iteration boundary", self.flow_name, request.action)
+
+    def requested(self) -> Literal["pause", "cancel"] | None:
+        with self._lock:
+            return self._request.action if self._request else None
+
+    def pause(self, run: Any, next_rollout_id: int) -> None:
+        request = self._request
+        if request.release:
+            run.release()
+        description = _pause_description(run, next_rollout_id, request)
+        restarted = False
+        while True:
+            self.pauses += 1
+            form = _steer_form(MidRunSettings.of(run.config, next_rollout_id), description)
+            answer = pause_flow_run(
+                wait_for_input=form,
+                timeout=int(os.environ.get(PAUSE_TIMEOUT_VARIABLE, DEFAULT_PAUSE_TIMEOUT_S)),
+                poll_interval=max(1, int(self.poll_s)),
+                key=f"boundary-{next_rollout_id}-{self.pauses}",
+            )
+            settings = MidRunSettings.model_validate(answer.model_dump(include=set(MidRunSettings.model_fields)))
+            if request.release and not restarted:
+                run.start_again()
+                restarted = True
+            try:
+                change = settings.change(run.config, next_rollout_id)
+                if change is not None:
+                    run.change_config(change)
+            except ConfigError as exc:  # shown in the form of the next pause; nothing changed
+                description = f"**Not applied:** {exc}\n\n{description}"
+                continue
+            break
+        with self._lock:
+            self._request, self._handled_until = None, datetime.now(tz=request.asked_at.tzinfo)
+        if change is not None:
+            log.warning("from rollout %d on: %s (by %s)", next_rollout_id, change.values, change.by or "unnamed")
+            _changes_artifact(run, self.flow_name)
+
+    def end(self, summary: dict[str, Any]) -> dict[str, Any] | State:
+        """The flow's result: its summary, or a Cancelled state carrying it when the run was cancelled."""
+        if self._request is not None and self._request.action == "cancel":
+            reason = f" ({self._request.reason})" if self._request.reason else ""
+            return Cancelled(
+                message=f"cancelled at an iteration boundary{reason}; the run directory resumes", data=summary
+            )
+        return summary
+
+
+def _steer_form(current: MidRunSettings, description: str) -> type[RunInput]:
+    """The pause form: every MidRunSettings field, prefilled with the value in effect."""
+    fields = {
+        name: (info.annotation, pydantic.fields.FieldInfo.merge_field_infos(info, default=getattr(current, name)))
+        for name, info in MidRunSettings.model_fields.items()
+    }
+    form = pydantic.create_model("ChangeRunSettings", __base__=RunInput, **fields)
+    form._description = description
+    return form
+
+
+def _pause_description(run: Any, next_rollout_id: int, request: Request) -> str:
+    held = "released (they start again at the resume)" if request.release else "held"
+    why = f" Asked: {request.reason}." if request.reason else ""
+    return (
+        f"Paused before rollout {next_rollout_id} of {run.config.final.num_rollout}; checkpoint saved in "
+        f"`{run.run_dir.path}`. Engines and trainer: {held}.{why}\n\n"
+        "Change any value below: it applies from rollout "
+        f"{next_rollout_id} on, and is recorded with your name and reason in run.json, metrics.jsonl and the "
+        "config-changes artifact."
+    )
+
+
+def _changes_artifact(run: Any, flow_name: str) -> None:
+    rows = []
+    for change in run.config.changes:
+        for field, value in change.values.items():
+            before = run.config.at(change.rollout_id - 1) if change.rollout_id else None
+            rows.append(
+                {
+                    "rollout_id": change.rollout_id,
+                    "field": field,
+                    "from": field_value(before, field) if before is not None else None,
+                    "to": value,
+                    "by": change.by,
+                    "reason": change.reason,
+                }
+            )
+    create_table_artifact(
+        key=f"{flow_name}-config-changes", table=rows, description=f"config changes of {run.config.run_dir}"
+    )
+
+
+# Asking from outside the flow run (the `miles` CLI).
+
+
+def ask_pause(flow_run_id: UUID, release: bool = False, reason: str = "") -> None:
+    request = Request("pause", release, reason)
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, asking_state(request), force=True)
+
+
+def ask_cancel(flow_run_id: UUID, reason: str = "") -> None:
+    request = Request("cancel", False, reason)
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, asking_state(request), force=True)
+
+
+def resume(flow_run_id: UUID, values: dict[str, Any], by: str = "", reason: str = "") -> None:
+    """Resume a paused run with the form's fields in `values` (by their name in the form, MID_RUN_FIELDS); the others
+    keep the values in effect."""
+    unknown = sorted(set(values) - set(MID_RUN_FIELDS))
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: not a value a run may change; these are: {', '.join(MID_RUN_FIELDS)}")
+    resume_flow_run(flow_run_id, run_input={**values, "changed_by": by, "reason": reason})
