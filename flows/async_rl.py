@@ -37,7 +37,7 @@ from tasks import STEPS
 def async_rl(config: RunConfig) -> dict | State:
     check_deployment_run(config)
     check_off_policy_correction(config)
-    with RLRun(config) as run, FlowRunControl() as control:
+    with FlowRunControl() as control, RLRun(config) as run:
         report = RunReport(run, "rl-async")
         for rollout_id in schedules.one_step_off_policy(run, control.steps(STEPS)):
             report.iteration_done(rollout_id)

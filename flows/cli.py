@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import sys
 
 from flows.registry import FLOWS
+from miles.config import MID_RUN_FIELDS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +40,62 @@ def _parser() -> argparse.ArgumentParser:
     withdraw.add_argument("--reason", default="", help="recorded with the withdrawal")
     listing = actions.add_parser("list", help="each adapter of the run: its group, rollouts trained, state")
     listing.add_argument("run_dir", help="the multi-LoRA run's directory")
+    pause = commands.add_parser(
+        "pause", help="pause a running flow run after the iteration in flight (its form then takes new values)"
+    )
+    pause.add_argument("flow_run_id", help="the flow run's id (the UI shows it; `prefect flow-run ls`)")
+    pause.add_argument(
+        "--release", action="store_true", help="stop the engines and the trainer while paused (they start again)"
+    )
+    pause.add_argument("--reason", default="", help="shown in the flow run's state")
+    resume = commands.add_parser("resume", help="resume a paused flow run, changing values from the next rollout on")
+    resume.add_argument("flow_run_id")
+    resume.add_argument(
+        "--set",
+        dest="values",
+        action="append",
+        default=[],
+        metavar="name=value",
+        help=f"a value of the pause form: {', '.join(MID_RUN_FIELDS)}",
+    )
+    resume.add_argument("--by", default=getpass.getuser(), help="who changes the values (recorded; default: you)")
+    resume.add_argument("--reason", default="", help="why (recorded)")
+    cancel = commands.add_parser("cancel", help="end a running flow run after the iteration in flight; it resumes")
+    cancel.add_argument("flow_run_id")
+    cancel.add_argument("--reason", default="", help="shown in the flow run's state")
     return parser
+
+
+def _control(args: argparse.Namespace) -> int:
+    """`miles pause|resume|cancel FLOW_RUN_ID`: through the Prefect API that PREFECT_API_URL names."""
+    from uuid import UUID
+
+    import yaml
+
+    from flows import control
+    from miles.config import ConfigError
+
+    flow_run_id = UUID(args.flow_run_id)
+    try:
+        if args.command == "pause":
+            control.ask_pause(flow_run_id, args.release, args.reason)
+            print(f"flow run {flow_run_id} pauses after the iteration in flight")
+        elif args.command == "cancel":
+            control.ask_cancel(flow_run_id, args.reason)
+            print(f"flow run {flow_run_id} ends after the iteration in flight")
+        else:
+            values = {}
+            for text in args.values:
+                name, sep, raw = text.partition("=")
+                if not sep:
+                    raise ConfigError(f"--set {text!r} is not of the form name=value")
+                values[name] = yaml.safe_load(raw)
+            control.resume(flow_run_id, values, args.by, args.reason)
+            print(f"flow run {flow_run_id} resumed" + (f" with {values}" if values else ""))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _tenant(args: argparse.Namespace) -> int:
@@ -70,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "tenant":
         return _tenant(args)
+    if args.command in ("pause", "resume", "cancel"):
+        return _control(args)
     from miles.config import ConfigError, load_config
 
     rl_flow = FLOWS[args.flow]

@@ -7,7 +7,7 @@ Asking (any of these, at any time; the iteration in flight finishes first, the a
   sets one of those: pause without the flow run's tasks ever waiting;
 - the UI's Cancel, `prefect flow-run cancel`, `miles cancel` (a Running state named Stopping): cancel.
 
-A watcher thread reads the flow run's state every POLL_S seconds; a Paused or Cancelling state it finds is turned back
+A watcher thread reads the flow run's state every MILES_CONTROL_POLL_S seconds (2); a Paused or Cancelling state it finds is turned back
 into Running at once (named Pausing, Suspending or Stopping, with the reason), so that the iteration in flight runs on
 instead of waiting. At the boundary the run saves its checkpoint, then:
 - pause: the flow run pauses with `pause_flow_run` and a typed form (MidRunSettings, prefilled with the values in
@@ -41,7 +41,9 @@ from miles.schedules import Steps
 
 log = logging.getLogger(__name__)
 
-POLL_S = 2.0
+POLL_VARIABLE = "MILES_CONTROL_POLL_S"
+# How often the flow reads its flow run's state for a request: one API read, off the iterations' path.
+DEFAULT_POLL_S = 2.0
 PAUSE_TIMEOUT_VARIABLE = "MILES_PAUSE_TIMEOUT_S"
 # How long a paused run waits for its resume before the flow run fails (its run directory resumes all the same).
 DEFAULT_PAUSE_TIMEOUT_S = 7 * 24 * 3600
@@ -83,11 +85,11 @@ def asking_state(request: Request) -> State:
 class FlowRunControl:
     """The Control (miles.schedules) of the flow run it is made in: `steps(STEPS)` gives the flow's steps with it."""
 
-    def __init__(self, poll_s: float = POLL_S):
+    def __init__(self):
         context = FlowRunContext.get()
         self.flow_run_id = context.flow_run.id
         self.flow_name = context.flow.name
-        self.poll_s = poll_s
+        self.poll_s = float(os.environ.get(POLL_VARIABLE, DEFAULT_POLL_S))
         self.cancelled = False
         self.pauses = 0
         self._request: Request | None = None
