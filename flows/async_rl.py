@@ -37,9 +37,7 @@ from tasks import STEPS
 def async_rl(config: RunConfig) -> dict | State:
     check_deployment_run(config)
     check_off_policy_correction(config)
-    with FlowRunControl() as control, RLRun(config) as run:
-        report = RunReport(run, "rl-async")
+    with FlowRunControl() as control, RLRun(config) as run, RunReport(run, "rl-async") as report:
         for rollout_id in schedules.one_step_off_policy(run, control.steps(STEPS)):
             report.iteration_done(rollout_id)
-        report.finish()
     return control.end(report.summary())

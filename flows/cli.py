@@ -63,7 +63,17 @@ def _parser() -> argparse.ArgumentParser:
     cancel = commands.add_parser("cancel", help="end a running flow run after the iteration in flight; it resumes")
     cancel.add_argument("flow_run_id")
     cancel.add_argument("--reason", default="", help="shown in the flow run's state")
+    automations = commands.add_parser("automations", help="the automations miles ships (Prefect server)")
+    automations.add_argument("action", choices=["apply"], help="create them, or update those of the same name")
     return parser
+
+
+def _automations() -> int:
+    from flows.automations import apply_automations
+
+    for name in apply_automations():
+        print(f"applied: {name}")
+    return 0
 
 
 def _control(args: argparse.Namespace) -> int:
@@ -129,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return _tenant(args)
     if args.command in ("pause", "resume", "cancel"):
         return _control(args)
+    if args.command == "automations":
+        return _automations()
     from miles.config import ConfigError, load_config
 
     rl_flow = FLOWS[args.flow]

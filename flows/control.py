@@ -9,7 +9,7 @@ Asking (any of these, at any time; the iteration in flight finishes first, the a
 
 A watcher thread reads the flow run's state every MILES_CONTROL_POLL_S seconds (2); a Paused or Cancelling state it finds is turned back
 into Running at once (named Pausing, Suspending or Stopping, with the reason), so that the iteration in flight runs on
-instead of waiting. At the boundary the run saves its checkpoint, then:
+instead of waiting; its message says that the run has taken the request. At the boundary the run saves its checkpoint, then:
 - pause: the flow run pauses with `pause_flow_run` and a typed form (MidRunSettings, prefilled with the values in
   effect); the engines and the trainer are released meanwhile when asked (Suspended, Suspending), held otherwise.
   Resume in the UI (its form) or with `miles resume FLOW_RUN_ID --set lr=...`: what differs is applied from the next
@@ -124,8 +124,9 @@ class FlowRunControl:
                     if self._handled_until is not None and request.asked_at <= self._handled_until:
                         continue
                     self._request = request
-                if not state.is_running():  # the tasks of the iteration in flight would wait (paused) or fail
-                    client.set_flow_run_state(self.flow_run_id, asking_state(request), force=True)
+                # Running (the tasks of the iteration in flight would wait, paused, or fail, cancelling), and the
+                # message says the run has taken the request.
+                client.set_flow_run_state(self.flow_run_id, asking_state(request), force=True)
                 log.warning("%s asked: %s at the next iteration boundary", self.flow_name, request.action)
 
     def requested(self) -> Literal["pause", "cancel"] | None:

@@ -48,9 +48,7 @@ from tasks import STEPS
 def fully_async_rl(config: RunConfig) -> dict | State:
     check_deployment_run(config)
     check_fully_async(config)
-    with FlowRunControl() as control, RLRun(config) as run:
-        report = RunReport(run, "rl-fully-async")
+    with FlowRunControl() as control, RLRun(config) as run, RunReport(run, "rl-fully-async") as report:
         for rollout_id in schedules.fully_async(run, control.steps(STEPS)):
             report.iteration_done(rollout_id)
-        report.finish()
     return control.end(report.summary())

@@ -25,6 +25,8 @@ The schedule is written once, `miles.schedules.multi_lora`, over the tasks; `mil
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 from prefect import flow
 
 from flows.report import RunReport
@@ -40,11 +42,11 @@ def multi_lora(config: RunConfig) -> dict:
     check_deployment_run(config)
     with MultiLoRARun(config) as run:
         reports: dict[str, RunReport] = {}
-        for adapter, rollout_id in schedules.multi_lora(run, STEPS):
-            if adapter.name not in reports:
-                reports[adapter.name] = RunReport(adapter, f"rl-multi-lora-{adapter.name}")
-            reports[adapter.name].iteration_done(rollout_id)
-        for report in reports.values():
-            report.finish()
+        with ExitStack() as open_reports:
+            for adapter, rollout_id in schedules.multi_lora(run, STEPS):
+                if adapter.name not in reports:
+                    report = RunReport(adapter, f"rl-multi-lora-{adapter.name}")
+                    reports[adapter.name] = open_reports.enter_context(report)
+                reports[adapter.name].iteration_done(rollout_id)
         run.check_failures()
     return {name: report.summary() for name, report in reports.items()}

@@ -18,6 +18,7 @@ from miles.multi_lora import AdapterRun
 from miles.plots import data_uri
 from miles.run import RLRun
 from tasks.artifacts import table_rows
+from tasks.events import IterationEvents
 from tasks.history import finished_task_runs
 
 TABLE_COLUMNS = (
@@ -38,12 +39,14 @@ TABLE_COLUMNS = (
 
 
 class RunReport:
-    """The UI side of one policy's iterations in a flow run (the full model, or one adapter)."""
+    """The UI side of one policy's iterations in a flow run (the full model, or one adapter): progress, events
+    (logging.events), and the tables and summary written at the end of a flow run that did not fail."""
 
     def __init__(self, run: RLRun | AdapterRun, flow_name: str):
         self.run = run
         self.flow_name = flow_name
         self.records: list[dict[str, Any]] = []
+        self.events = IterationEvents(run) if run.config.logging.events else None
         self.shown = int(100 * run.rollout_ids().start / self.total)
         self.progress = create_progress_artifact(
             progress=float(self.shown), key=f"{flow_name}-progress", description=f"rollouts of {run.config.run_dir}"
@@ -54,8 +57,20 @@ class RunReport:
         """The run's rollouts, as its config's changes leave it."""
         return self.run.config.final.num_rollout
 
+    def __enter__(self) -> RunReport:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.events is not None:
+            self.events.close()
+        if exc_type is None:
+            self.finish()
+
     def iteration_done(self, rollout_id: int) -> None:
-        self.records.append(self.run.finish_iteration(rollout_id))
+        record = self.run.finish_iteration(rollout_id)
+        self.records.append(record)
+        if self.events is not None:
+            self.events.iteration(record)
         percent = min(100, int(100 * (rollout_id + 1) / self.total))
         if percent > self.shown:  # one update per whole percent keeps API writes off the hot path
             update_progress_artifact(artifact_id=self.progress, progress=float(percent))

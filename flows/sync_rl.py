@@ -31,9 +31,7 @@ from tasks import STEPS
 @flow(name="rl-sync")
 def sync_rl(config: RunConfig) -> dict | State:
     check_deployment_run(config)
-    with FlowRunControl() as control, RLRun(config) as run:
-        report = RunReport(run, "rl-sync")
+    with FlowRunControl() as control, RLRun(config) as run, RunReport(run, "rl-sync") as report:
         for rollout_id in schedules.sync(run, control.steps(STEPS)):
             report.iteration_done(rollout_id)
-        report.finish()
     return control.end(report.summary())

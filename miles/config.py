@@ -243,6 +243,30 @@ class LoggingConfig(_Section):
         description="experiment trackers, each an optional extra (pip install 'miles-flow[tensorboard]', ...)",
     )
     project: str = Field("miles-flow", description="the MLflow experiment and the W&B project")
+    events: bool = Field(True, description="a flow emits Prefect events of its iterations, checkpoints and alerts")
+
+
+class AlertsConfig(_Section):
+    """What a run's iteration records are watched for (miles.alerts); a flow emits an event for each alert, which the
+    shipped automations act on (README, "Events and automations")."""
+
+    failed_reward_fraction: float = Field(
+        0.5, gt=0, le=1, description="an iteration is unhealthy when the reward failed on this share of its samples"
+    )
+    reward_collapse_window: int = Field(
+        5, gt=0, description="iterations averaged: the latest window's mean reward against the best window's"
+    )
+    reward_collapse_drop: float = Field(
+        0.5, gt=0, le=1, description="a collapse: the latest window's mean is below (1 - this) x the best window's"
+    )
+    stall_factor: float = Field(
+        5.0,
+        gt=1,
+        description="a run is stalled when no iteration has finished for this many times its median iteration time",
+    )
+    min_stall_s: float = Field(
+        30.0, ge=10, description="the shortest time without an iteration that counts as stalled (Prefect's least: 10)"
+    )
 
 
 class RolloutConfig(_Section):
@@ -674,6 +698,7 @@ class RunConfig(_Section):
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
     logging: LoggingConfig = LoggingConfig()
+    alerts: AlertsConfig = AlertsConfig()
     eval: EvalConfig = EvalConfig()
     adapters: list[AdapterConfig] = Field(
         default_factory=list,
@@ -846,6 +871,7 @@ CHANGES_FREELY = (
     "accept_config_change",
     "eval",
     "logging",
+    "alerts",
     "tenants",
     "changes",
     "rollout.engine",
