@@ -63,9 +63,27 @@ def _parser() -> argparse.ArgumentParser:
     cancel = commands.add_parser("cancel", help="end a running flow run after the iteration in flight; it resumes")
     cancel.add_argument("flow_run_id")
     cancel.add_argument("--reason", default="", help="shown in the flow run's state")
+    lineage = commands.add_parser("lineage", help="what made a checkpoint: rollouts, data rows, config, code")
+    lineage.add_argument("run_dir")
+    lineage.add_argument("rollout_id", nargs="?", type=int, help="the checkpoint's rollout (default: the latest)")
+    lineage.add_argument("--json", action="store_true", help="print it as JSON")
     automations = commands.add_parser("automations", help="the automations miles ships (Prefect server)")
     automations.add_argument("action", choices=["apply"], help="create them, or update those of the same name")
     return parser
+
+
+def _lineage(args: argparse.Namespace) -> int:
+    import json
+
+    from miles.lineage import describe, markdown
+
+    try:
+        lineage = describe(args.run_dir, args.rollout_id)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(lineage, indent=2) if args.json else markdown(lineage))
+    return 0
 
 
 def _automations() -> int:
@@ -141,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         return _control(args)
     if args.command == "automations":
         return _automations()
+    if args.command == "lineage":
+        return _lineage(args)
     from miles.config import ConfigError, load_config
 
     rl_flow = FLOWS[args.flow]

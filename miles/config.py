@@ -244,6 +244,9 @@ class LoggingConfig(_Section):
     )
     project: str = Field("miles-flow", description="the MLflow experiment and the W&B project")
     events: bool = Field(True, description="a flow emits Prefect events of its iterations, checkpoints and alerts")
+    lineage: bool = Field(
+        True, description="each checkpoint records what made it: rollouts (sha256), data rows, config, code version"
+    )
 
 
 class AlertsConfig(_Section):

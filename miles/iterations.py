@@ -22,6 +22,7 @@ import pyarrow as pa
 from miles.config import RunConfig
 from miles.data import DataSource
 from miles.evaluate import EvalSet, Evaluation
+from miles.lineage import code_version, rollout_lineage
 from miles.plots import plot_eval_curve, plot_reward_curve
 from miles.resume import ResumePlan
 from miles.rewards import RewardFn
@@ -176,10 +177,32 @@ class Iterations:
         return self.slice.save_due(rollout_id)
 
     def checkpoint_state(self, rollout_id: int) -> dict[str, Any]:
-        return {
+        state = {
             "weight_version": trained_version(rollout_id),
             "data": self.data_source.state_dict(),
             "seed": self.config.seed,
+        }
+        if self.config.logging.lineage:
+            state["lineage"] = self._lineage(rollout_id)
+        return state
+
+    def _lineage(self, rollout_id: int) -> dict[str, Any]:
+        """What made the weights trained on `rollout_id` since the previous checkpoint (miles.lineage)."""
+        checkpoints = self.run_dir.checkpoints
+        saved = [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()] if checkpoints.is_dir() else []
+        previous = max((i for i in saved if i < rollout_id), default=None)
+        order = self.executor.prompt_order
+        rollouts = []
+        for i in range(0 if previous is None else previous + 1, rollout_id + 1):
+            start, end = order.start_of(i), order.end_of(i)
+            rows = [(index, self.data_source.rows[index]) for index in self.data_source.indices_at(start, end - start)]
+            rollouts.append(rollout_lineage(self.store.path(i), i, (start, end), rows))
+        return {
+            "rollout_id": rollout_id,
+            "previous_checkpoint": previous,
+            "rollouts": rollouts,
+            "config": self.config.at(rollout_id).model_dump(mode="json"),
+            "code": code_version(),
         }
 
     @contextmanager

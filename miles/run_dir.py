@@ -167,7 +167,7 @@ class RunDir:
 
     def record_start(self, config: dict[str, Any], initial_model: Path, start: dict[str, Any]) -> None:
         record = self._record() or {"starts": []}
-        record.update(config=config, initial_model=str(initial_model), versions=_versions())
+        record.update(config=config, initial_model=str(initial_model), versions=package_versions())
         record["starts"].append({"time": time.time(), **start, "config": config})
         write_json_atomic(self.record_path, record)
 
@@ -180,7 +180,8 @@ def is_evaluation(record: dict[str, Any]) -> bool:
     return "eval" in record
 
 
-def _versions() -> dict[str, str]:
+def package_versions() -> dict[str, str]:
+    """The installed versions of the packages a run depends on."""
     found = {}
     for name in PACKAGES:
         try:

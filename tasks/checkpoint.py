@@ -1,7 +1,10 @@
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 
+from miles.lineage import describe, markdown
 from miles.multi_lora import AdapterRun
 from miles.run import RLRun
+from tasks.artifacts import artifact_key
 from tasks.events import emit_checkpoint
 from tasks.options import task_options
 
@@ -14,4 +17,11 @@ def save_checkpoint(run: RLRun | AdapterRun, rollout_id: int) -> str:
     path = run.save_checkpoint(rollout_id)
     if run.config.logging.events:
         emit_checkpoint(run, rollout_id, path)
+    if run.config.logging.lineage:
+        lineage = describe(run.run_dir.path, rollout_id)
+        create_markdown_artifact(
+            key=artifact_key(run.run_dir.path.name, "lineage"),
+            markdown=markdown(lineage),
+            description=f"what made checkpoint {rollout_id} of {run.run_dir.path}",
+        )
     return path

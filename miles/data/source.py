@@ -25,12 +25,12 @@ class DataSource:
 
     def rows_at(self, position: int, count: int) -> list[dict[str, str]]:
         """The `count` rows of the walk from `position` on (the cursor does not move)."""
+        return [self.rows[index] for index in self.indices_at(position, count)]
+
+    def indices_at(self, position: int, count: int) -> list[int]:
+        """The indices (in `rows`) of the `count` rows of the walk from `position` on."""
         n = len(self.rows)
-        out = []
-        for pos in range(position, position + count):
-            epoch, offset = divmod(pos, n)
-            out.append(self.rows[int(self._order(epoch)[offset])])
-        return out
+        return [int(self._order(pos // n)[pos % n]) for pos in range(position, position + count)]
 
     def state_dict(self) -> dict[str, int]:
         epoch, offset = divmod(self.position, len(self.rows))

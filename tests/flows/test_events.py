@@ -16,6 +16,7 @@ from miles.rewards import digit_match
 from miles.run_dir import RunDir
 from tasks.events import STALLED
 from tests.flows.test_control import _operate, _state
+from tests.helpers.history import flow_run_artifacts
 from tests.helpers.waiting import eventually
 
 SAMPLES = 32  # per rollout of the small config
@@ -110,6 +111,9 @@ def test_iterations_and_checkpoints_are_events_and_a_nan_reward_pauses_the_run_b
     checkpoints = _events("miles.checkpoint.saved", since)
     saved = sorted((e["payload"]["rollout_id"], e["resource"]["miles.checkpoint-path"]) for e in checkpoints)
     assert saved == [(i, str(RunDir(config.run_dir).checkpoint(i))) for i in (1, 3, 5)]
+    # Each checkpoint's lineage is a version of the run's lineage artifact.
+    lineages = [a for a in flow_run_artifacts(state.state_details.flow_run_id) if a.key == "run-lineage"]
+    assert sorted(a.data.splitlines()[0] for a in lineages) == [f"# lineage of checkpoint {i}" for i in (1, 3, 5)]
 
 
 def test_a_run_whose_iterations_stop_is_flagged_stalled_by_its_own_automation(
