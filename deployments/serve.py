@@ -9,7 +9,8 @@
 Deployments `rl-sync/tiny`, `rl-async/tiny`, `rl-fully-async/tiny` and `rl-multi-lora/tiny` run the config (default:
 configs/tiny.yaml beside this file), each in its own run directory (`<run_dir>-<name>`), at most one flow run at a
 time. With `iterations_per_run` set, each scheduled run trains that many rollouts (per adapter, for multi-LoRA) and
-exits; the next resumes. `rl-tenant-submit/tiny` and `rl-tenant-withdraw/tiny` add an adapter to, and withdraw one
+exits; the next resumes. `rl-eval/tiny` evaluates every checkpoint any run saves, triggered by its event
+(flows/eval.py). `rl-tenant-submit/tiny` and `rl-tenant-withdraw/tiny` add an adapter to, and withdraw one
 from, the multi-LoRA deployment's run (flows/tenants.py).
 
 A run's config may name code by import path (`data.reward: pkg.mod:fn`, custom algorithms, environments, generate
@@ -128,6 +129,29 @@ def main(argv: list[str] | None = None) -> int:
                 description=f"rl-{name} on {args.config}",
             )
         )
+    from prefect.events import DeploymentEventTrigger
+
+    from flows.eval import rl_eval
+    from tasks.events import CHECKPOINT
+
+    deployments.append(
+        rl_eval.to_deployment(
+            name="tiny",
+            triggers=[
+                DeploymentEventTrigger(
+                    expect={CHECKPOINT},
+                    match={"miles.checkpoint-kind": "model"},
+                    parameters={
+                        "checkpoint": "{{ event.resource['miles.checkpoint-path'] }}",
+                        "training_flow_run_id": "{{ event.resource['miles.flow-run-id'] }}",
+                    },
+                )
+            ],
+            tags=["rl", "eval"],
+            concurrency_limit=1,  # one set of evaluation engines at a time; the others queue
+            description="evaluate each checkpoint a run saves, in a flow run of its own",
+        )
+    )
     from flows.tenants import submit_tenant, withdraw_tenant
 
     multi_lora_run_dir = f"{base.run_dir}-multi-lora"

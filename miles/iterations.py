@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import pyarrow as pa
 
+from miles.checkpoint_eval import checkpoint_evaluations
 from miles.config import RunConfig
 from miles.data import DataSource
 from miles.evaluate import EvalSet, Evaluation
@@ -241,7 +242,15 @@ class Iterations:
         """The iteration's record, appended to metrics.jsonl once per rollout_id."""
         record = self._iteration_record(rollout_id)
         self._append_metrics(record)
+        self._log_checkpoint_evaluations()
         return record
+
+    def _log_checkpoint_evaluations(self) -> None:
+        """Evaluations of the run's checkpoints made beside it (rl-eval, miles.checkpoint_eval) go to its trackers, as
+        the series `eval/<data set>@checkpoint/...` (a step is logged once)."""
+        if self.trackers.trackers:
+            for record in checkpoint_evaluations(self.run_dir):
+                self.trackers.log({**record, "eval": f"{record['eval']}@checkpoint"})
 
     def _iteration_record(self, rollout_id: int) -> dict[str, Any]:
         record: dict[str, Any] = {"rollout_id": rollout_id}

@@ -6,7 +6,8 @@ derived from the run directory and rollout, so a retried step's event is the sam
   phase times, failed samples; a value that is not finite as null) and what is unhealthy about it;
 - `miles.iteration.unhealthy`: a value that is not finite, or a reward failing on many samples (miles.alerts);
 - `miles.reward.collapsed`: the reward's latest window mean fell below alerts.reward_collapse_drop of its best;
-- `miles.checkpoint.saved`: a checkpoint, its path and rollout (its resource is the checkpoint).
+- `miles.checkpoint.saved`: a checkpoint (its resource, labelled with its path, kind (model or adapter), rollout,
+  run directory and the flow run that saved it): rl-eval's trigger.
 
 Automations: flows/automations.py ships those that pause a run on either alert; each flow run keeps one of its own that flags it Stalled (a Running state of that name) when neither an iteration nor a
 change of its state has come for alerts.stall_factor times its median iteration time (at least alerts.min_stall_s),
@@ -20,15 +21,18 @@ import logging
 import math
 import statistics
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from uuid import NAMESPACE_URL, UUID, uuid5
 
+from prefect import runtime
 from prefect.automations import Automation, ChangeFlowRunState, EventTrigger, Posture
 from prefect.client.schemas.objects import StateType
 from prefect.context import FlowRunContext
 from prefect.events import emit_event
 
 from miles.alerts import RewardCollapse, unhealthy
+from miles.checkpoint import MODEL_DIR
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +176,10 @@ def emit_checkpoint(run: Any, rollout_id: int, path: str) -> None:
             "prefect.resource.id": f"miles.checkpoint.{path}",
             "prefect.resource.name": f"{run.run_dir.path.name} checkpoint {rollout_id}",
             "miles.checkpoint-path": path,
+            "miles.checkpoint-kind": "model" if (Path(path) / MODEL_DIR).is_dir() else "adapter",
             "miles.rollout-id": str(rollout_id),
             "miles.run-dir": str(run.run_dir.path),
+            "miles.flow-run-id": str(runtime.flow_run.id),
         },
         payload={"rollout_id": rollout_id, "path": path},
         id=_event_id(path, CHECKPOINT),

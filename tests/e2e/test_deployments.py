@@ -199,7 +199,7 @@ def test_deployment_run_records_history_and_resumes(served, first_run):
     artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [first]}}}).json()
     kinds = {a["type"] for a in artifacts}
     assert {"progress", "table", "markdown"} <= kinds
-    summary = next(a for a in artifacts if a["type"] == "markdown")["data"]
+    summary = next(a for a in artifacts if a["key"] == "rl-sync-summary")["data"]
     assert "checkpoints/1" in summary and "reward_curve.png" in summary
     run_dir = Path(params["run_dir"])
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
@@ -332,7 +332,7 @@ def test_the_ui_shows_the_flow_run_its_task_runs_and_the_reward_curve(served, fi
     flow_run_id, _ = first_run
     ui = api.removesuffix("/api")
     artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
-    summary_id = next(a["id"] for a in artifacts.json() if a["type"] == "markdown")
+    summary_id = next(a["id"] for a in artifacts.json() if a["key"] == "rl-sync-summary")
     with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=str(CHROMIUM),

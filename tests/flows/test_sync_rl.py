@@ -53,7 +53,7 @@ def test_two_iterations_are_recorded_in_the_api(ray_session, prefect_api, small_
         assert runs[f"evaluate[rollout={i}]"].end_time <= runs[f"generate[rollout={i}]"].start_time
     assert runs["sync_weights[rollout=1]"].end_time <= runs["evaluate[rollout=2]"].start_time
     assert {a.type for a in artifacts} >= {"progress", "table", "markdown"}
-    summary = next(a for a in artifacts if a.type == "markdown").data
+    summary = next(a for a in artifacts if a.key == "rl-sync-summary").data
     image = re.search(r"!\[reward curve of run\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", summary)
     assert image and base64.b64decode(image.group(1)) == (Path(config.run_dir) / "reward_curve.png").read_bytes()
     image = re.search(r"!\[eval sums of run\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", summary)
