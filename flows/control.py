@@ -1,17 +1,19 @@
 """Pause, steer, resume and cancel a running RL flow at an iteration boundary, on Prefect's own states.
 
 Asking (any of these, at any time; the iteration in flight finishes first, the async graphs drain what is in flight):
-- the UI's Pause on a deployment's flow run (a Suspended state), an automation's suspend or pause action, or a Paused
-  state set through the API: pause;
-- `miles pause FLOW_RUN_ID [--release]` (a Running state named Pausing, or Suspending to release), an automation that
-  sets one of those: pause without the flow run's tasks ever waiting;
+- `miles pause FLOW_RUN_ID [--release]` (a Running state named Pausing, or Pausing to release), or an automation
+  that sets one of those (flows/automations.py): pause, without the flow run's tasks ever waiting;
+- a Paused state set through the API or by an automation's change-state action: pause;
 - the UI's Cancel, `prefect flow-run cancel`, `miles cancel` (a Running state named Stopping): cancel.
+The UI's Pause on a deployment's flow run is Prefect's own suspend (a Suspended state), left to Prefect: the flow
+process exits before its next task, releasing everything, and the UI's Resume runs the deployment's flow again, which
+resumes from the run directory after its last trained rollout.
 
 A watcher thread reads the flow run's state every MILES_CONTROL_POLL_S seconds (2); a Paused or Cancelling state it finds is turned back
-into Running at once (named Pausing, Suspending or Stopping, with the reason), so that the iteration in flight runs on
+into Running at once (named Pausing or Stopping, with the reason), so that the iteration in flight runs on
 instead of waiting; its message says that the run has taken the request. At the boundary the run saves its checkpoint, then:
 - pause: the flow run pauses with `pause_flow_run` and a typed form (MidRunSettings, prefilled with the values in
-  effect); the engines and the trainer are released meanwhile when asked (Suspended, Suspending), held otherwise.
+  effect); the engines and the trainer are released meanwhile when asked (--release), held otherwise.
   Resume in the UI (its form) or with `miles resume FLOW_RUN_ID --set lr=...`: what differs is applied from the next
   rollout on and recorded in run.json, the next iteration's metrics line and the `<flow>-config-changes` artifact;
 - cancel: the flow run ends Cancelled; the run directory resumes with `miles run` as any other.
@@ -48,7 +50,7 @@ PAUSE_TIMEOUT_VARIABLE = "MILES_PAUSE_TIMEOUT_S"
 # How long a paused run waits for its resume before the flow run fails (its run directory resumes all the same).
 DEFAULT_PAUSE_TIMEOUT_S = 7 * 24 * 3600
 
-PAUSING, SUSPENDING, STOPPING = "Pausing", "Suspending", "Stopping"
+PAUSING, RELEASING, STOPPING = "Pausing", "Pausing to release", "Stopping"
 
 
 @dataclass(frozen=True)
@@ -61,21 +63,21 @@ class Request:
 
 def request_of(state: State) -> Request | None:
     """What a state of a running flow run asks of it: a pause (releasing or holding), a cancel, or nothing. The
-    pause the run makes itself (a Paused state with a pause key) asks nothing."""
+    pause the run makes itself (a Paused state with a pause key) asks nothing, nor does Prefect's own suspend."""
     details = state.state_details
-    if state.is_paused() and not details.pause_key:
-        return Request("pause", bool(details.pause_reschedule), state.message or "", state.timestamp)
+    if state.is_paused() and not details.pause_key and not details.pause_reschedule:
+        return Request("pause", False, state.message or "", state.timestamp)
     if state.is_cancelling():
         return Request("cancel", False, state.message or "", state.timestamp)
-    if state.is_running() and state.name in (PAUSING, SUSPENDING, STOPPING):
+    if state.is_running() and state.name in (PAUSING, RELEASING, STOPPING):
         action = "cancel" if state.name == STOPPING else "pause"
-        return Request(action, state.name == SUSPENDING, state.message or "", state.timestamp)
+        return Request(action, state.name == RELEASING, state.message or "", state.timestamp)
     return None
 
 
 def asking_state(request: Request) -> State:
     """The Running state that carries `request` until the boundary."""
-    name = STOPPING if request.action == "cancel" else SUSPENDING if request.release else PAUSING
+    name = STOPPING if request.action == "cancel" else RELEASING if request.release else PAUSING
     what = "cancels" if request.action == "cancel" else "pauses"
     return Running(
         name=name, message=f"{what} at the next iteration boundary" + (f": {request.reason}" * bool(request.reason))

@@ -135,7 +135,7 @@ def served(tmp_path_factory, tiny_model_dir, database):
             tmp_path / "serve.log",
         )
         try:
-            for name in ("rl-sync", "rl-multi-lora", "rl-tenant-submit", "rl-tenant-withdraw"):
+            for name in ("rl-sync", "rl-multi-lora", "rl-tenant-submit", "rl-tenant-withdraw", "rl-eval"):
                 _wait(
                     lambda: httpx.get(f"{api}/deployments/name/{name}/tiny").status_code == 200,  # noqa: B023
                     90,
@@ -364,3 +364,105 @@ def test_the_ui_shows_the_flow_run_its_task_runs_and_the_reward_curve(served, fi
             browser.close()
     assert (tmp_path / "flow-run.png").stat().st_size > 10_000
     assert width == 700  # the PNG's own width (7 in at 100 dpi): the image loaded
+
+
+def _chromium(p):
+    return p.chromium.launch(
+        executable_path=str(CHROMIUM),
+        args=[
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+        ],
+    )
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (.ci/run installs it)")
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+def test_a_paused_run_takes_the_form_in_the_ui_at_resume_and_its_checkpoints_start_rl_eval(served, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    api, env, config_file = served
+    ui = api.removesuffix("/api")
+    run_dir = tmp_path / "steered"
+    overrides = ["eval.datasets=[{name: sums, task: addition, max_prompts: 8}]", "iterations_per_run=null"]
+    params = load_config(config_file, overrides, run_dir=str(run_dir), num_rollout=6, save_interval=3)
+    flow_run_id = _run_deployment(env, "rl-sync/tiny", {"config": params.model_dump(mode="json")}, watch=False)
+    _wait(lambda: httpx.get(f"{api}/flow_runs/{flow_run_id}").json()["state_type"] == "RUNNING", 120, "the run")
+
+    # `miles pause` as a user types it; the run pauses at the boundary after its first iteration, with the form.
+    pause = [sys.executable, "-m", "flows.cli", "pause", flow_run_id, "--reason", "check the samples"]
+    subprocess.run(pause, env=env, cwd=PROJECT, check=True, capture_output=True, timeout=60)
+
+    def paused_at_a_boundary():
+        state = httpx.get(f"{api}/flow_runs/{flow_run_id}").json()["state"]
+        return state["type"] == "PAUSED" and state["state_details"]["pause_key"] and state
+
+    _wait(paused_at_a_boundary, 120, "the run's own pause, at a boundary")
+    with sync_playwright() as p:
+        browser = _chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{ui}/runs/flow-run/{flow_run_id}")
+            page.get_by_role("button", name="Resume").first.click(timeout=60_000)
+            page.get_by_text("Paused before rollout 1").first.wait_for(timeout=60_000)  # the form's description
+            form = page.get_by_role("dialog")
+            labels = [form.get_by_text(f"{name} (Optional)", exact=True).count() for name in ("Lr", "Temperature")]
+            inputs = form.locator("input")
+            prefilled = inputs.first.input_value()
+            inputs.first.fill("0.003")  # lr
+            texts = form.locator("input[type=text], textarea")
+            texts.first.fill("ui")  # changed_by (reason is the other text field)
+            page.screenshot(path=str(tmp_path / "pause-form.png"), full_page=True)
+            form.get_by_role("button", name="Submit").click()
+            _wait(lambda: httpx.get(f"{api}/flow_runs/{flow_run_id}").json()["state_type"] != "PAUSED", 60, "resume")
+        finally:
+            browser.close()
+    assert labels == [1, 1] and float(prefilled) == params.train.lr
+    ended = _wait(
+        lambda: (
+            (run := httpx.get(f"{api}/flow_runs/{flow_run_id}").json())["state_type"] in ("COMPLETED", "FAILED") and run
+        ),
+        300,
+        "the run's end",
+    )
+    assert ended["state_type"] == "COMPLETED", ended["state"]["message"]
+    (change,) = RunDir(run_dir).recorded_changes()
+    assert (change["rollout_id"], change["values"], change["by"]) == (1, {"train.lr": 0.003}, "ui")
+    assert [m["lr"] for m in RunDir(run_dir).metrics()] == [params.train.lr] + [0.003] * 5
+
+    # Each checkpoint (saved at the pause, and every 3 rollouts) started an rl-eval flow run of its own.
+    checkpoints = [str(RunDir(run_dir).checkpoint(i)) for i in (0, 2, 5)]
+
+    def evaluated():
+        query = {"flows": {"name": {"any_": ["rl-eval"]}}, "flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}
+        runs = httpx.post(f"{api}/flow_runs/filter", json=query).json()
+        done = sorted(
+            r["parameters"]["checkpoint"] for r in runs if r["parameters"]["checkpoint"].startswith(str(run_dir))
+        )
+        return done == checkpoints and runs
+
+    _wait(evaluated, 300, "an rl-eval flow run per checkpoint, completed")
+    for i in (0, 2, 5):
+        (record,) = json.loads((run_dir / "evaluations" / f"checkpoint-{i}.json").read_text())
+        assert record["weight_version"] == i + 1 and record["eval"] == "sums"
+
+    # The UI shows the iteration events in the event feed and the lineage of a checkpoint as an artifact.
+    lineage = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["steered-lineage"]}}}).json()
+    with sync_playwright() as p:
+        browser = _chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{ui}/events")
+            page.get_by_text("miles.iteration.finished").first.wait_for(timeout=60_000)
+            page.screenshot(path=str(tmp_path / "event-feed.png"), full_page=True)
+            page.goto(f"{ui}/artifacts/artifact/{lineage[0]['id']}")
+            page.get_by_text("lineage of checkpoint").first.wait_for(timeout=60_000)
+            page.screenshot(path=str(tmp_path / "lineage.png"), full_page=True)
+        finally:
+            browser.close()
+    assert len(lineage) == 3
+    assert (tmp_path / "event-feed.png").stat().st_size > 10_000 and (tmp_path / "lineage.png").stat().st_size > 10_000
