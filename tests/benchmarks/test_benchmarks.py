@@ -20,6 +20,7 @@ FIGURES = {
     "chaos": "chaos_kills",
     "engine_throughput": "engine_speedup",
     "episodes": "episode_batching_speedup",
+    "events_lineage": "events_lineage_ratio",
     "fully_async_vs_sync": "fully_async_speedup",
     "gpu_tag": "gpu_tag_ratio",
     "handover": "handover_speedup",
@@ -41,7 +42,16 @@ FIGURES = {
     "weight_sync": "weight_sync_speedup",
 }
 # The smoke runs of half a minute to a minute on 2 cores: each starts a Prefect API and Ray workers, startup the CLI.
-SLOW = {"async_vs_sync", "chaos", "gpu_tag", "long_run", "orchestration_overhead", "startup", "tenants"}
+SLOW = {
+    "async_vs_sync",
+    "chaos",
+    "events_lineage",
+    "gpu_tag",
+    "long_run",
+    "orchestration_overhead",
+    "startup",
+    "tenants",
+}
 
 
 def _benchmark(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

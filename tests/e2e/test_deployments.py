@@ -457,8 +457,10 @@ def test_a_paused_run_takes_the_form_in_the_ui_at_resume_and_its_checkpoints_sta
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{ui}/events")
-            page.get_by_text("miles.iteration.finished").first.wait_for(timeout=60_000)
-            page.screenshot(path=str(tmp_path / "event-feed.png"), full_page=True)
+            iteration_event = page.get_by_text("miles.iteration.finished").first
+            iteration_event.wait_for(timeout=60_000)
+            iteration_event.scroll_into_view_if_needed()
+            page.screenshot(path=str(tmp_path / "event-feed.png"))
             page.goto(f"{ui}/artifacts/artifact/{lineage[0]['id']}")
             page.get_by_text("lineage of checkpoint").first.wait_for(timeout=60_000)
             page.screenshot(path=str(tmp_path / "lineage.png"), full_page=True)
