@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     cancel = commands.add_parser("cancel", help="end a running flow run after the iteration in flight; it resumes")
     cancel.add_argument("flow_run_id")
     cancel.add_argument("--reason", default="", help="shown in the flow run's state")
+    approve = commands.add_parser("approve", help="answer an rl-pipeline run waiting for approval")
+    approve.add_argument("flow_run_id")
+    approve.add_argument("--reject", action="store_true", help="do not promote the checkpoint")
+    approve.add_argument("--by", default=getpass.getuser(), help="who decides (recorded; default: you)")
+    approve.add_argument("--reason", default="", help="why (recorded)")
     lineage = commands.add_parser("lineage", help="what made a checkpoint: rollouts, data rows, config, code")
     lineage.add_argument("run_dir")
     lineage.add_argument("rollout_id", nargs="?", type=int, help="the checkpoint's rollout (default: the latest)")
@@ -95,10 +100,11 @@ def _automations() -> int:
 
 
 def _control(args: argparse.Namespace) -> int:
-    """`miles pause|resume|cancel FLOW_RUN_ID`: through the Prefect API that PREFECT_API_URL names."""
+    """`miles pause|resume|cancel|approve FLOW_RUN_ID`: through the Prefect API that PREFECT_API_URL names."""
     from uuid import UUID
 
     import yaml
+    from prefect.flow_runs import resume_flow_run
 
     from flows import control
     from miles.config import ConfigError
@@ -111,6 +117,10 @@ def _control(args: argparse.Namespace) -> int:
         elif args.command == "cancel":
             control.ask_cancel(flow_run_id, args.reason)
             print(f"flow run {flow_run_id} ends after the iteration in flight")
+        elif args.command == "approve":
+            answer = {"approve": not args.reject, "changed_by": args.by, "reason": args.reason}
+            resume_flow_run(flow_run_id, run_input=answer)
+            print(f"flow run {flow_run_id}: checkpoint {'rejected' if args.reject else 'approved'}")
         else:
             values = {}
             for text in args.values:
@@ -155,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "tenant":
         return _tenant(args)
-    if args.command in ("pause", "resume", "cancel"):
+    if args.command in ("pause", "resume", "cancel", "approve"):
         return _control(args)
     if args.command == "automations":
         return _automations()

@@ -1024,6 +1024,17 @@ def _load(schema: type[_Section], path: str | Path | None, overrides: list[str] 
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded or {}
+    return _apply(schema, data, overrides, fields, source)
+
+
+def override_config(base: RunConfig, overrides: list[str], **fields: Any) -> RunConfig:
+    """`base` with `a.b=value` overrides, then explicit top-level fields, applied."""
+    return _apply(RunConfig, base.model_dump(mode="json"), overrides, fields, "overrides")
+
+
+def _apply(
+    schema: type[_Section], data: dict[str, Any], overrides: list[str] | None, fields: dict[str, Any], source: str
+) -> Any:
     for text in overrides or []:
         keys, value = _parse_override(text, schema)
         node = data

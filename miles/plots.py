@@ -62,3 +62,23 @@ def plot_eval_curve(records: list[dict[str, Any]], title: str, out: Path) -> Pat
 def data_uri(png: Path) -> str:
     """The PNG inline, as a `data:` URI: a markdown image that needs no file server (the Prefect UI shows it)."""
     return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode("ascii")
+
+
+def plot_reward_curves(runs: dict[str, list[dict[str, Any]]], title: str, out: Path, window: int = 5) -> Path:
+    """Several runs' reward curves in one image: each run's running mean over `window` rollouts, by its name."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for name, records in runs.items():
+        rewards = [r["reward_mean"] for r in records]
+        smoothed = [sum(rewards[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(rewards))]
+        ax.plot([r["rollout_id"] for r in records], smoothed, linewidth=2, label=name)
+    ax.set_xlabel("rollout_id")
+    ax.set_ylabel(f"mean sampled reward (mean of the last {window})")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -323,6 +323,20 @@ def test_a_tenant_submitted_through_its_deployment_trains_and_retires_while_anot
 CHROMIUM = Path("/usr/bin/chromium")
 
 
+def _chromium(p):
+    return p.chromium.launch(
+        executable_path=str(CHROMIUM),
+        args=[
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+        ],
+    )
+
+
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (.ci/run installs it)")
 @pytest.mark.parametrize("database", ["sqlite"], indirect=True)
 def test_the_ui_shows_the_flow_run_its_task_runs_and_the_reward_curve(served, first_run, tmp_path):
@@ -334,17 +348,7 @@ def test_the_ui_shows_the_flow_run_its_task_runs_and_the_reward_curve(served, fi
     artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
     summary_id = next(a["id"] for a in artifacts.json() if a["key"] == "rl-sync-summary")
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
+        browser = _chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{ui}/runs/flow-run/{flow_run_id}")
@@ -364,20 +368,6 @@ def test_the_ui_shows_the_flow_run_its_task_runs_and_the_reward_curve(served, fi
             browser.close()
     assert (tmp_path / "flow-run.png").stat().st_size > 10_000
     assert width == 700  # the PNG's own width (7 in at 100 dpi): the image loaded
-
-
-def _chromium(p):
-    return p.chromium.launch(
-        executable_path=str(CHROMIUM),
-        args=[
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--no-first-run",
-        ],
-    )
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (.ci/run installs it)")

@@ -28,13 +28,14 @@ def quick_watch(monkeypatch):
     monkeypatch.setenv("MILES_CONTROL_POLL_S", "0.5")
 
 
-def _running_flow_run(flow_name: str, run_dir: str):
+def _running_flow_run(flow_name: str, run_dir: str | None):
+    """The running flow run of `flow_name` on `run_dir` (any, when None)."""
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             flow_filter=FlowFilter(name={"any_": [flow_name]}),
             flow_run_filter=FlowRunFilter(state={"type": {"any_": ["RUNNING"]}}),
         )
-    return next((r for r in runs if r.parameters["config"]["run_dir"] == run_dir), None)
+    return next((r for r in runs if run_dir is None or r.parameters["config"]["run_dir"] == run_dir), None)
 
 
 def _state(flow_run_id):
@@ -42,7 +43,7 @@ def _state(flow_run_id):
         return client.read_flow_run(flow_run_id).state
 
 
-def _operate(flow_name: str, run_dir: str, ask, answer) -> threading.Thread:
+def _operate(flow_name: str, run_dir: str | None, ask, answer) -> threading.Thread:
     """Once the flow run runs, `ask(flow_run_id)` (its engines and trainer are still starting: the request is seen
     before the first iteration ends); once it has paused itself at a boundary, `answer(flow_run_id, pause_key)`.
     Errors are kept in the thread's `errors`."""
