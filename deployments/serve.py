@@ -10,7 +10,9 @@ Deployments `rl-sync/tiny`, `rl-async/tiny`, `rl-fully-async/tiny` and `rl-multi
 configs/tiny.yaml beside this file), each in its own run directory (`<run_dir>-<name>`), at most one flow run at a
 time. With `iterations_per_run` set, each scheduled run trains that many rollouts (per adapter, for multi-LoRA) and
 exits; the next resumes. `rl-eval/tiny` evaluates every checkpoint any run saves, triggered by its event
-(flows/eval.py). `rl-tenant-submit/tiny` and `rl-tenant-withdraw/tiny` add an adapter to, and withdraw one
+(flows/eval.py). `rl-pipeline/tiny` trains, evaluates and promotes on approval (in `<run_dir>-pipeline`, to
+`<run_dir>-promoted`); `rl-sweep/tiny` runs a grid of variants (by default the lr halved, as is and doubled, in
+`<run_dir>-sweep`). `rl-tenant-submit/tiny` and `rl-tenant-withdraw/tiny` add an adapter to, and withdraw one
 from, the multi-LoRA deployment's run (flows/tenants.py).
 
 A run's config may name code by import path (`data.reward: pkg.mod:fn`, custom algorithms, environments, generate
@@ -150,6 +152,33 @@ def main(argv: list[str] | None = None) -> int:
             tags=["rl", "eval"],
             concurrency_limit=1,  # one set of evaluation engines at a time; the others queue
             description="evaluate each checkpoint a run saves, in a flow run of its own",
+        )
+    )
+    from flows.pipeline import rl_pipeline
+    from flows.sweep import rl_sweep
+
+    deployments.append(
+        rl_pipeline.to_deployment(
+            name="tiny",
+            parameters={
+                "config": base.model_copy(update={"run_dir": f"{base.run_dir}-pipeline"}).model_dump(mode="json"),
+                "promote_to": f"{base.run_dir}-promoted",
+            },
+            tags=["rl", "pipeline"],
+            concurrency_limit=1,
+            description="train, evaluate, wait for approval, promote the checkpoint",
+        )
+    )
+    deployments.append(
+        rl_sweep.to_deployment(
+            name="tiny",
+            parameters={
+                "config": base.model_copy(update={"run_dir": f"{base.run_dir}-sweep"}).model_dump(mode="json"),
+                "grid": {"train.lr": [base.train.lr / 2, base.train.lr, base.train.lr * 2]},
+            },
+            tags=["rl", "sweep"],
+            concurrency_limit=1,
+            description="config variants as child flow runs, and their comparison",
         )
     )
     from flows.tenants import submit_tenant, withdraw_tenant

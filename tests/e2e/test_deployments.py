@@ -135,7 +135,7 @@ def served(tmp_path_factory, tiny_model_dir, database):
             tmp_path / "serve.log",
         )
         try:
-            for name in ("rl-sync", "rl-multi-lora", "rl-tenant-submit", "rl-tenant-withdraw", "rl-eval"):
+            for name in ("rl-sync", "rl-multi-lora", "rl-tenant-submit", "rl-tenant-withdraw", "rl-eval", "rl-sweep"):
                 _wait(
                     lambda: httpx.get(f"{api}/deployments/name/{name}/tiny").status_code == 200,  # noqa: B023
                     90,
@@ -458,3 +458,40 @@ def test_a_paused_run_takes_the_form_in_the_ui_at_resume_and_its_checkpoints_sta
             browser.close()
     assert len(lineage) == 3
     assert (tmp_path / "event-feed.png").stat().st_size > 10_000 and (tmp_path / "lineage.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (.ci/run installs it)")
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+def test_a_sweep_runs_its_variants_as_runs_of_a_deployment_and_the_ui_shows_the_comparison(served, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    api, env, config_file = served
+    base = load_config(config_file, ["iterations_per_run=null"], run_dir=str(tmp_path / "sweep"), num_rollout=2)
+    parameters = {
+        "config": base.model_dump(mode="json"),
+        "grid": {"train.lr": [0.001, 0.002]},
+        "deployment": "rl-sync/tiny",
+    }
+    sweep_id = _run_deployment(env, "rl-sweep/tiny", parameters)
+    children = httpx.post(
+        f"{api}/flow_runs/filter", json={"flow_runs": {"parent_flow_run_id": {"any_": [sweep_id]}}}
+    ).json()
+    sync_deployment = httpx.get(f"{api}/deployments/name/rl-sync/tiny").json()["id"]
+    assert sorted(c["parameters"]["config"]["train"]["lr"] for c in children) == [0.001, 0.002]
+    assert {c["deployment_id"] for c in children} == {sync_deployment}
+    assert {c["state_type"] for c in children} == {"COMPLETED"}
+    artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [sweep_id]}}}).json()
+    (comparison,) = [a for a in artifacts if a["key"] == "rl-sweep-comparison"]
+    assert "| train.lr=0.001 | 2 |" in comparison["data"] and "| train.lr=0.002 | 2 |" in comparison["data"]
+    with sync_playwright() as p:
+        browser = _chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{api.removesuffix('/api')}/artifacts/artifact/{comparison['id']}")
+            curves = page.locator("img[src^='data:image/png;base64,']").first
+            curves.wait_for(timeout=60_000)
+            width = curves.evaluate("img => img.complete ? img.naturalWidth : 0")
+            page.screenshot(path=str(tmp_path / "sweep.png"), full_page=True)
+        finally:
+            browser.close()
+    assert width == 800  # the PNG's own width (8 in at 100 dpi): the image loaded
