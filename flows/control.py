@@ -53,6 +53,10 @@ DEFAULT_PAUSE_TIMEOUT_S = 7 * 24 * 3600
 PAUSING, RELEASING, STOPPING = "Pausing", "Pausing to release", "Stopping"
 
 
+def pause_timeout_s() -> int:
+    return int(os.environ.get(PAUSE_TIMEOUT_VARIABLE, DEFAULT_PAUSE_TIMEOUT_S))
+
+
 @dataclass(frozen=True)
 class Request:
     action: Literal["pause", "cancel"]
@@ -146,7 +150,7 @@ class FlowRunControl:
             form = _steer_form(MidRunSettings.of(run.config, next_rollout_id), description)
             answer = pause_flow_run(
                 wait_for_input=form,
-                timeout=int(os.environ.get(PAUSE_TIMEOUT_VARIABLE, DEFAULT_PAUSE_TIMEOUT_S)),
+                timeout=pause_timeout_s(),
                 poll_interval=max(1, int(self.poll_s)),
                 key=f"boundary-{next_rollout_id}-{self.pauses}",
             )
@@ -162,11 +166,15 @@ class FlowRunControl:
                 description = f"**Not applied:** {exc}\n\n{description}"
                 continue
             break
-        with self._lock:
-            self._request, self._handled_until = None, datetime.now(tz=request.asked_at.tzinfo)
+        self._done(request)
         if change is not None:
             log.warning("from rollout %d on: %s (by %s)", next_rollout_id, change.values, change.by or "unnamed")
             _changes_artifact(run, self.flow_name)
+
+    def _done(self, request: Request) -> None:
+        """The request is done: the watcher takes only those made after now."""
+        with self._lock:
+            self._request, self._handled_until = None, datetime.now(tz=request.asked_at.tzinfo)
 
     def end(self, summary: dict[str, Any]) -> dict[str, Any] | State:
         """The flow's result: its summary, or a Cancelled state carrying it when the run was cancelled."""

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from prefect import flow
@@ -21,7 +20,7 @@ from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from pydantic import Field
 
-from flows.control import DEFAULT_PAUSE_TIMEOUT_S, PAUSE_TIMEOUT_VARIABLE
+from flows.control import pause_timeout_s
 from flows.eval import rl_eval
 from flows.registry import FLOWS
 from flows.runtime import check_deployment_run
@@ -64,7 +63,7 @@ def rl_pipeline(config: RunConfig, promote_to: str, flow: str = "sync") -> dict:
     )
     decision = pause_flow_run(
         wait_for_input=Approval.with_initial_data(description=description),
-        timeout=int(os.environ.get(PAUSE_TIMEOUT_VARIABLE, DEFAULT_PAUSE_TIMEOUT_S)),
+        timeout=pause_timeout_s(),
         poll_interval=2,
         key=f"approve-{checkpoint.name}",
     )
