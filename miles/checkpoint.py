@@ -136,12 +136,12 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
         size = path.stat().st_size
         if size != want["bytes"]:
             return f"{name} has {size} bytes, {want['bytes']} were written"
-        if _sha256(path) != want["sha256"]:
+        if file_sha256(path) != want["sha256"]:
             return f"{name} does not match its sha256"
     return None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
@@ -151,7 +151,7 @@ def _sha256(path: Path) -> str:
 
 def _write_checksums(directory: Path) -> None:
     files = sorted(p for p in directory.rglob("*") if p.is_file())
-    sums = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    sums = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
     write_json_atomic(directory / CHECKSUMS_FILE, sums)
 
 

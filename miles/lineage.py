@@ -6,12 +6,11 @@ tree's git commit where it is one). `describe` reads it back with the evaluation
 from __future__ import annotations
 
 import functools
-import hashlib
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from miles.checkpoint import read_state
+from miles.checkpoint import file_sha256, read_state
 from miles.data.datasets import ROW
 from miles.run_dir import RunDir, package_versions
 
@@ -23,7 +22,7 @@ def rollout_lineage(path: Path, rollout_id: int, positions: tuple[int, int], row
     return {
         "rollout_id": rollout_id,
         "file": str(path),
-        "sha256": _sha256(path),
+        "sha256": file_sha256(path),
         "data_positions": list(positions),
         "data_rows": [row.get(ROW, index) for index, row in rows],
     }
@@ -46,14 +45,6 @@ def _git(*args: str) -> str:
     return subprocess.run(
         ["git", "-C", str(SOURCE_TREE), *args], capture_output=True, text=True, check=True, timeout=10
     ).stdout.strip()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def describe(run_dir: str | Path, rollout_id: int | None = None) -> dict[str, Any]:
