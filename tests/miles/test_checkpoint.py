@@ -141,8 +141,8 @@ def test_a_checkpoint_is_hashed_once_per_process(tmp_path, monkeypatch):
     restart: its files are hashed the first time only, unless it is replaced."""
     _complete(tmp_path, 1)
     hashed: list[str] = []
-    real = ckpt._sha256
-    monkeypatch.setattr(ckpt, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    real = ckpt.file_sha256
+    monkeypatch.setattr(ckpt, "file_sha256", lambda path: hashed.append(path.name) or real(path))
     for _ in range(3):
         assert latest_checkpoint(RunDir(tmp_path).checkpoints) == RunDir(tmp_path).checkpoint(1)
     assert sorted(hashed) == ["state.json", "weights.bin"]
