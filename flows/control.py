@@ -171,6 +171,19 @@ class FlowRunControl:
             log.warning("from rollout %d on: %s (by %s)", next_rollout_id, change.values, change.by or "unnamed")
             _changes_artifact(run, self.flow_name)
 
+    def hold(self, run: Any) -> None:
+        """The multi-LoRA run's pause: no form (each adapter's settings are its tenant's), resumed as it is."""
+        request = self._request
+        if request.release:
+            run.release()
+        self.pauses += 1
+        pause_flow_run(
+            timeout=pause_timeout_s(), poll_interval=max(1, int(self.poll_s)), key=f"boundary-hold-{self.pauses}"
+        )
+        if request.release:
+            run.start_again()
+        self._done(request)
+
     def _done(self, request: Request) -> None:
         """The request is done: the watcher takes only those made after now."""
         with self._lock:

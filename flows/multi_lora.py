@@ -15,6 +15,9 @@ group (adapters of different groups train at the same time), and tenants that jo
     an adapter whose step failed (after its retries): recorded, retired; the others go on, and the flow run
         fails at the end, naming it
     nothing left to train: wait up to tenants.idle_timeout_s for a tenant
+    asked to pause or cancel (flows/control.py): no adapter starts a rollout; with none in flight, each adapter is
+        saved at its boundary, then the run holds until resumed (no form: each adapter's settings are its own),
+        releasing the engines and trainer groups when asked, or ends Cancelled
 
 An adapter's final rollout is pushed only for its final evaluation. Each adapter has its own directory, progress,
 metrics table and summary in the UI; a run dir that holds adapter checkpoints resumes each adapter after its
@@ -29,6 +32,7 @@ from contextlib import ExitStack
 
 from prefect import flow
 
+from flows.control import FlowRunControl
 from flows.report import RunReport
 from flows.runtime import check_deployment_run
 from miles import schedules
@@ -40,13 +44,13 @@ from tasks import STEPS
 @flow(name="rl-multi-lora")
 def multi_lora(config: RunConfig) -> dict:
     check_deployment_run(config)
-    with MultiLoRARun(config) as run:
+    with FlowRunControl() as control, MultiLoRARun(config) as run:
         reports: dict[str, RunReport] = {}
         with ExitStack() as open_reports:
-            for adapter, rollout_id in schedules.multi_lora(run, STEPS):
+            for adapter, rollout_id in schedules.multi_lora(run, control.steps(STEPS)):
                 if adapter.name not in reports:
                     report = RunReport(adapter, f"rl-multi-lora-{adapter.name}")
                     reports[adapter.name] = open_reports.enter_context(report)
                 reports[adapter.name].iteration_done(rollout_id)
         run.check_failures()
-    return {name: report.summary() for name, report in reports.items()}
+    return control.end({name: report.summary() for name, report in reports.items()})

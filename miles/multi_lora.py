@@ -389,14 +389,15 @@ class MultiLoRARun:
             admitted.append(self._add(tenant, inputs))
         return [run for run in admitted if run.rollout_ids()]
 
-    def wait_for_tenants(self) -> list[AdapterRun]:
+    def wait_for_tenants(self, until: Callable[[], bool]) -> list[AdapterRun]:
         """With nothing left to train: the tenants submitted within tenants.idle_timeout_s (unset: however long it
-        takes), as soon as there are any; none when the time is up."""
+        takes), as soon as there are any; none when the time is up, or as soon as `until()` (the user asks for the
+        run)."""
         timeout = self.config.tenants.idle_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             admitted = self.admit()
-            if admitted or (deadline is not None and time.monotonic() >= deadline):
+            if admitted or until() or (deadline is not None and time.monotonic() >= deadline):
                 return admitted
             time.sleep(TENANT_POLL_S)
 
@@ -441,6 +442,17 @@ class MultiLoRARun:
         for group in [g for g in self.trainer_groups if g not in training]:
             log.info("trainer group %s has no adapter left to train: stopped", group)
             self.trainer_groups.pop(group).kill()
+
+    def release(self) -> None:
+        """Stop the engines and every trainer group, keeping the run: `start_again` brings them back."""
+        self.controller.shutdown()
+        for group in self.trainer_groups.values():
+            group.release()
+
+    def start_again(self) -> None:
+        """After `release`, at a boundary where every adapter is saved: the engines start on the base, serving each
+        adapter as it was last pushed; each trainer group starts on its next call, from its adapters' checkpoints."""
+        self.controller.start_again(str(self.initial_model), 0)
 
     def check_failures(self) -> None:
         """Raise AdaptersFailed when an adapter's branch failed in this run."""

@@ -38,6 +38,9 @@ class Control(Protocol):
     def pause(self, run: Any, next_rollout_id: int) -> None:
         """Wait until the user resumes the run; apply what they changed meanwhile (`run.change_config`)."""
 
+    def hold(self, run: MultiLoRARun) -> None:
+        """Wait until the user resumes the multi-LoRA run, changing nothing: each adapter's settings are its own."""
+
 
 class NoControl:
     """A schedule nobody pauses or cancels (the plain loops)."""
@@ -46,6 +49,9 @@ class NoControl:
         return None
 
     def pause(self, run: Any, next_rollout_id: int) -> None:
+        raise AssertionError("nothing requested a pause")
+
+    def hold(self, run: MultiLoRARun) -> None:
         raise AssertionError("nothing requested a pause")
 
 
@@ -182,8 +188,10 @@ def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, in
     submitted when its previous one ends. At each boundary (and every TENANT_POLL_S meanwhile) the run admits the
     tenants submitted since, which start at once; a withdrawn adapter is saved and retired instead of going on; an
     adapter whose chain failed is recorded (`run.failures`) and retired, and the others go on. A trainer group left
-    without an adapter to train is stopped. With nothing left in flight the run waits for tenants as tenants.idle_timeout_s says, then ends. Yields (adapter, rollout_id) as each
-    rollout ends."""
+    without an adapter to train is stopped. With nothing left in flight the run waits for tenants as
+    tenants.idle_timeout_s says, then ends. Once the user asks to pause or cancel, no rollout is submitted: each
+    adapter waits at its boundary, and when none is in flight the run does what was asked (`at_adapters_boundary`).
+    Yields (adapter, rollout_id) as each rollout ends."""
     ended: queue.SimpleQueue = queue.SimpleQueue()
     in_flight = 0
 
@@ -193,22 +201,31 @@ def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, in
         chain = adapter_iteration(adapter, steps, rollout_id)
         chain[-1].add_done_callback(lambda _: ended.put((chain, adapter, rollout_id)))
 
-    joining = run.active()
+    def starts(adapters: list[AdapterRun]) -> list[tuple[AdapterRun, int]]:
+        return [(adapter, adapter.rollout_ids().start) for adapter in adapters]
+
+    waiting = starts(run.active())  # each adapter's next rollout, submitted unless the user asked to stop here
     while True:
-        for adapter in joining:
-            submit(adapter, adapter.rollout_ids().start)
+        if steps.control.requested() is None:
+            for adapter, rollout_id in waiting:
+                submit(adapter, rollout_id)
+            waiting = []
+        elif not in_flight:
+            if not at_adapters_boundary(run, steps, waiting):
+                return
+            continue
         if not in_flight:
-            joining = run.wait_for_tenants()
-            if not joining:
+            waiting = starts(run.wait_for_tenants(until=lambda: steps.control.requested() is not None))
+            if not waiting and steps.control.requested() is None:
                 return
             continue
         try:
             chain, adapter, rollout_id = ended.get(timeout=TENANT_POLL_S)
         except queue.Empty:
-            joining = run.admit()
+            waiting += starts(run.admit())
             continue
         in_flight -= 1
-        joining = run.admit()
+        waiting += starts(run.admit())
         try:
             chain[-1].result()
         except Exception:  # this adapter's branch only: the others go on
@@ -224,7 +241,20 @@ def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, in
             steps.retire_adapter(adapter)
             run.release_idle_groups()
         else:
-            submit(adapter, rollout_id + 1)
+            waiting.append((adapter, rollout_id + 1))
+
+
+def at_adapters_boundary(run: MultiLoRARun, steps: Steps, waiting: list[tuple[AdapterRun, int]]) -> bool:
+    """multi-LoRA's at_boundary, with no rollout in flight: each adapter that waits after a rollout it trained is
+    saved there, where a released or cancelled run starts again; then the run holds until resumed. False: the run stops
+    here (cancelled)."""
+    for adapter, next_rollout_id in waiting:
+        if next_rollout_id > 0 and not adapter.should_save(next_rollout_id - 1):
+            steps.save_checkpoint(adapter, next_rollout_id - 1)
+    if steps.control.requested() == "cancel":
+        return False
+    steps.control.hold(run)
+    return True
 
 
 def _first_error(chain: list) -> BaseException:

@@ -128,6 +128,8 @@ class LoRATrainActor:
         train = view.train
         optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.adam_betas, weight_decay=train.weight_decay)
         if checkpoint:
+            # Only the active adapter's parameters are trainable, and torch's optimizer state dict skips the others.
+            self.model.set_adapter(name)
             load_optimizer(self.model, optimizer, Path(checkpoint))
         run_dir = RunDir(view.run_dir)
         self.adapters[name] = _Adapter(view, optimizer, params, run_dir, dict(run_dir.ledger().trained))
@@ -208,6 +210,7 @@ class LoRATrainActor:
         def write_files(staging: Path) -> None:
             if self.rank == 0:
                 self._write_adapter_files(name, staging / ADAPTER_DIR)
+            self.model.set_adapter(name)  # as in add_adapter: the optimizer state of the trainable parameters only
             save_optimizer(self.model, adapter.optimizer, staging)
 
         target = adapter.run_dir.checkpoint(rollout_id)

@@ -3,17 +3,22 @@ changes values equals a run started with that schedule of changes, held or relea
 a cancel leaves a run directory that resumes."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from miles import schedules
 from miles.config import ConfigChange, ConfigError, MidRunSettings
-from miles.loop import plain_steps, run_sync
+from miles.loop import plain_steps, run_multi_lora, run_sync
+from miles.multi_lora import MultiLoRARun
 from miles.rollout.store import RolloutStore
 from miles.run import RLRun
 from miles.run_dir import RunDir
-from tests.helpers import final_weights, max_abs_diff
+from tests.helpers import final_weights, max_abs_diff, small_config_for
+from tests.helpers.faults import assert_same_samples
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 NEW_LR = 3e-3
 RUN = dict(num_rollout=4, save_interval=10)
 
@@ -105,3 +110,88 @@ def test_a_change_is_refused_when_it_cannot_apply(ray_session, small_config):
         with pytest.raises(ConfigError, match="changes due at rollout 0"):
             run.change_config(ConfigChange(rollout_id=0, values={"train.lr": -1.0}))
         assert run.config.changes == [] and RunDir(run.config.run_dir).recorded_changes() == []
+
+
+ADAPTERS = (
+    "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 3, rollout_batch_size: 4,"
+    " n_samples_per_prompt: 4}, {name: sub, data: {task: subtraction, reward: digit_match}, num_steps: 3,"
+    " rollout_batch_size: 2, n_samples_per_prompt: 4, global_batch_size: 4}]"
+)
+
+
+class ScriptedHold:
+    """Asks `action` of a multi-LoRA run once adapter `add` has trained `after` rollouts; a pause holds, releasing
+    the engines and trainer groups when `release`."""
+
+    def __init__(self, action: str, after: int, release: bool = False):
+        self.action, self.after, self.release = action, after, release
+        self.run = None
+        self.trained_at_hold: list[dict[str, list[int]]] = []
+
+    def requested(self):
+        if self.trained_at_hold or self.run is None:
+            return None
+        return self.action if len(self.run.adapters["add"].iterations.ledger.trained) >= self.after else None
+
+    def hold(self, run):
+        self.trained_at_hold.append({name: sorted(a.iterations.ledger.trained) for name, a in run.adapters.items()})
+        if self.release:
+            run.release()
+            run.start_again()
+
+
+def _run_adapters(config, control) -> dict[str, list[int]]:
+    """Each adapter's rollouts trained by this run."""
+    trained: dict[str, list[int]] = {}
+    with MultiLoRARun(config) as run, plain_steps() as steps:
+        control.run = run
+        for adapter, rollout_id in schedules.multi_lora(run, replace(steps, control=control)):
+            adapter.finish_iteration(rollout_id)
+            trained.setdefault(adapter.name, []).append(rollout_id)
+    return trained
+
+
+def _adapter_weights(run_dir, adapter: str) -> dict:
+    return load_file(str(Path(run_dir) / "adapters" / adapter / "checkpoints" / "2" / "adapter" / ADAPTER_WEIGHTS))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_adapters(ray_session, tiny_model_dir, tmp_path_factory):
+    config = small_config_for(tiny_model_dir, tmp_path_factory.mktemp("adapters") / "run", ADAPTERS, **RUN)
+    run_multi_lora(config)
+    return config.run_dir
+
+
+def _assert_as_uninterrupted(run_dir, uninterrupted_dir) -> None:
+    """The same samples, and the adapters' weights as the multi-LoRA recoveries leave them (float rounding: the
+    engines and the trainer group batch whatever is in flight)."""
+    for name in ("add", "sub"):
+        assert_same_samples(Path(run_dir) / "adapters" / name, Path(uninterrupted_dir) / "adapters" / name, range(3))
+        assert max_abs_diff(_adapter_weights(run_dir, name), _adapter_weights(uninterrupted_dir, name)) < 1e-4
+
+
+def test_a_multi_lora_run_released_at_a_boundary_saves_every_adapter_and_trains_on_as_if_never_paused(
+    ray_session, small_config, uninterrupted_adapters
+):
+    config = small_config(ADAPTERS, **RUN)
+    control = ScriptedHold("pause", after=1, release=True)
+    trained = _run_adapters(config, control)
+    (at_hold,) = control.trained_at_hold
+    assert len(at_hold["add"]) >= 1
+    for name, rollouts in at_hold.items():  # nothing in flight: each adapter saved after its last rollout
+        if rollouts:
+            assert (Path(config.run_dir) / "adapters" / name / "checkpoints" / str(rollouts[-1])).is_dir()
+    assert trained == {"add": [0, 1, 2], "sub": [0, 1, 2]}
+    _assert_as_uninterrupted(config.run_dir, uninterrupted_adapters)
+
+
+def test_a_cancelled_multi_lora_run_stops_with_every_adapter_saved_and_resumes_to_the_same_weights(
+    ray_session, small_config, uninterrupted_adapters
+):
+    config = small_config(ADAPTERS, **RUN)
+    first = _run_adapters(config, ScriptedHold("cancel", after=1))
+    assert 1 <= len(first["add"]) < 3
+    resumed = _run_adapters(config, ScriptedHold("cancel", after=99))
+    for name in ("add", "sub"):
+        assert first.get(name, []) + resumed.get(name, []) == [0, 1, 2]
+    _assert_as_uninterrupted(config.run_dir, uninterrupted_adapters)

@@ -154,6 +154,23 @@ def test_an_adapter_restored_from_its_checkpoint_continues_the_same_run(trained,
         torch.testing.assert_close(got[k], expected[k], atol=1e-6, rtol=1e-5)
 
 
+def test_an_adapter_saved_and_restored_beside_another_keeps_its_optimizer_state(make_actor, rollout):
+    """Only the active adapter's parameters are trainable; the others' optimizer state is saved and restored all the
+    same (a multi-LoRA run saves an adapter while another trained last, and restores it after the first)."""
+    actor, _ = make_actor("a", "b")
+    actor.train("b", 0, rollout)
+    actor.train("a", 0, rollout)  # "a" is the active adapter now
+    ckpt = actor.save_checkpoint("b", 0, {})
+    restored = LoRATrainActor(actor.config, actor.base_dir)
+    restored.add_adapter(AdapterConfig(name="a"), actor.adapters["a"].config)
+    restored.add_adapter(AdapterConfig(name="b"), actor.adapters["b"].config, checkpoint=ckpt)
+    saved, loaded = actor.adapters["b"].optimizer.state, restored.adapters["b"].optimizer.state
+    assert len(loaded) == len(saved) > 0
+    actor.train("b", 1, rollout)
+    restored.train("b", 1, rollout)
+    _assert_equal_dicts(restored.adapter_weights("b"), actor.adapter_weights("b"))
+
+
 def test_removed_adapter_is_gone(make_actor, rollout):
     actor, _ = make_actor("a", "b")
     b0 = actor.adapter_weights("b")
