@@ -263,4 +263,11 @@ def resume(flow_run_id: UUID, values: dict[str, Any], by: str = "", reason: str 
     unknown = sorted(set(values) - set(MID_RUN_FIELDS))
     if unknown:
         raise ConfigError(f"{', '.join(unknown)}: not a value a run may change; these are: {', '.join(MID_RUN_FIELDS)}")
+    if values:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+        if state is not None and state.is_paused() and not state.state_details.run_input_keyset:
+            raise ConfigError(
+                f"flow run {flow_run_id} is paused without a form (a multi-LoRA run): it takes no changes"
+            )
     resume_flow_run(flow_run_id, run_input={**values, "changed_by": by, "reason": reason})

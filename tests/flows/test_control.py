@@ -7,15 +7,19 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowRunFilter
 from prefect.states import Cancelling, Paused
+from safetensors.torch import load_file
 
 from flows.async_rl import async_rl
 from flows.cli import main as miles
 from flows.control import resume
+from flows.multi_lora import multi_lora
 from flows.sync_rl import sync_rl
-from miles.loop import run_sync
+from miles.config import ConfigError
+from miles.loop import run_multi_lora, run_sync
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 from tests.helpers import final_weights, max_abs_diff
+from tests.helpers.faults import assert_same_samples
 from tests.helpers.history import flow_run_artifacts
 from tests.helpers.waiting import eventually
 
@@ -156,3 +160,60 @@ def test_a_cancelled_flow_run_ends_cancelled_at_a_boundary_and_its_run_resumes(
     run_sync(uninterrupted)
     last = RUN["num_rollout"] - 1
     assert max_abs_diff(final_weights(uninterrupted.run_dir, last), final_weights(config.run_dir, last)) == 0
+
+
+ADAPTERS = (
+    "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 4, rollout_batch_size: 4,"
+    " n_samples_per_prompt: 4}, {name: sub, data: {task: subtraction, reward: digit_match}, num_steps: 4,"
+    " rollout_batch_size: 2, n_samples_per_prompt: 4, global_batch_size: 4}]"
+)
+
+
+def test_the_multi_lora_flow_cancels_and_pauses_at_a_boundary_with_every_adapter_saved(
+    ray_session, prefect_api, small_config, tmp_path
+):
+    config = small_config(ADAPTERS, save_interval=20)
+    adapters = {name: RunDir(config.run_dir).adapter(name) for name in ("add", "sub")}
+
+    def cancel_as_prefect_does(flow_run_id):
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelling())
+
+    operator = _operate("rl-multi-lora", config.run_dir, cancel_as_prefect_does, None)
+    state = multi_lora(config, return_state=True)
+    operator.join()
+    assert not operator.errors, operator.errors
+    assert state.is_cancelled(), state.name
+    for adapter in adapters.values():  # each saved after its last rollout, where the next flow run resumes it
+        trained = sorted(adapter.ledger().trained)
+        assert len(trained) < 4 and (not trained or adapter.checkpoint(trained[-1]).is_dir())
+
+    refused = []
+
+    def resume_without_changes(flow_run_id, pause_key):
+        with pytest.raises(ConfigError, match="paused without a form"):
+            resume(flow_run_id, {"lr": 0.1})
+        refused.append(pause_key)
+        miles(["resume", str(flow_run_id), "--by", "ops"])
+
+    operator = _operate(
+        "rl-multi-lora",
+        config.run_dir,
+        lambda flow_run_id: miles(["pause", str(flow_run_id), "--release"]),
+        resume_without_changes,
+    )
+    state = multi_lora(config, return_state=True)
+    operator.join()
+    assert not operator.errors, operator.errors
+    assert state.is_completed(), state.message
+    assert refused == ["boundary-hold-1"]
+    for adapter in adapters.values():
+        assert sorted(adapter.ledger().trained) == [0, 1, 2, 3]
+
+    uninterrupted = small_config(ADAPTERS, save_interval=20, run_dir=tmp_path / "uninterrupted")
+    run_multi_lora(uninterrupted)
+    for name, adapter in adapters.items():
+        alone = RunDir(uninterrupted.run_dir).adapter(name)
+        assert_same_samples(adapter.path, alone.path, range(4))
+        weights = [load_file(str(a.checkpoint(3) / "adapter" / "adapter_model.safetensors")) for a in (adapter, alone)]
+        assert max_abs_diff(*weights) < 1e-4  # float rounding: the engines batch whatever is in flight
