@@ -72,6 +72,11 @@ def _operate(flow_name: str, run_dir: str | None, ask, answer) -> threading.Thre
     return thread
 
 
+def _cancel_as_prefect_does(flow_run_id):
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, Cancelling())
+
+
 def test_a_paused_state_pauses_at_a_boundary_and_the_form_resumes_with_a_new_lr_as_a_run_started_with_it(
     ray_session, prefect_api, small_config, tmp_path
 ):
@@ -143,11 +148,7 @@ def test_a_cancelled_flow_run_ends_cancelled_at_a_boundary_and_its_run_resumes(
 ):
     config = small_config(**RUN)
 
-    def cancel_as_prefect_does(flow_run_id):
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_state(flow_run_id, Cancelling())
-
-    operator = _operate("rl-sync", config.run_dir, cancel_as_prefect_does, None)
+    operator = _operate("rl-sync", config.run_dir, _cancel_as_prefect_does, None)
     state = sync_rl(config, return_state=True)
     operator.join()
     assert not operator.errors, operator.errors
@@ -175,11 +176,7 @@ def test_the_multi_lora_flow_cancels_and_pauses_at_a_boundary_with_every_adapter
     config = small_config(ADAPTERS, save_interval=20)
     adapters = {name: RunDir(config.run_dir).adapter(name) for name in ("add", "sub")}
 
-    def cancel_as_prefect_does(flow_run_id):
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_state(flow_run_id, Cancelling())
-
-    operator = _operate("rl-multi-lora", config.run_dir, cancel_as_prefect_does, None)
+    operator = _operate("rl-multi-lora", config.run_dir, _cancel_as_prefect_does, None)
     state = multi_lora(config, return_state=True)
     operator.join()
     assert not operator.errors, operator.errors
