@@ -378,21 +378,33 @@ class AlgoConfig(_Section):
         description="grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, or 'pkg.mod:fn'",
     )
     policy_loss: str = Field(
-        "ppo_clip", json_schema_extra=IMPORT_PATH, description="ppo_clip, gspo, cispo, or 'pkg.mod:fn'"
+        "ppo_clip",
+        json_schema_extra=IMPORT_PATH,
+        description="ppo_clip, gspo, cispo, gpg, geo_mean, sapo, clip_cov, kl_cov, or 'pkg.mod:fn'",
     )
     loss_aggregation: str | None = Field(
         None,
         json_schema_extra=IMPORT_PATH,
-        description="token_mean, seq_mean_token_sum, seq_mean_token_mean, seq_mean_token_sum_norm, or 'pkg.mod:fn'; "
-        "unset: the method's own (gspo: seq_mean_token_mean, else dr_grpo: seq_mean_token_sum_norm, else token_mean)",
+        description="token_mean, token_sum, seq_mean_token_sum, seq_mean_token_mean, seq_mean_token_sum_norm, or "
+        "'pkg.mod:fn'; unset: the method's own (gspo, geo_mean, sapo: seq_mean_token_mean, else dr_grpo: "
+        "seq_mean_token_sum_norm, else token_mean)",
     )
     eps_clip: float = Field(0.2, gt=0, description="lower clip of the ratio: 1 - eps_clip")
     eps_clip_high: float | None = Field(None, gt=0, description="upper clip: 1 + eps_clip_high; unset: eps_clip")
     clip_ratio_c: float | None = Field(
         None, gt=1, description="ppo_clip's dual clip: a negative-advantage token's loss is at most -c A; unset: off"
     )
+    sapo_tau_pos: float = Field(1.0, gt=0, description="sapo's gate temperature where the advantage is positive")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="sapo's gate temperature where it is not")
+    clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="clip_cov: the share of tokens whose gradient is cut")
+    clip_cov_lb: float = Field(1.0, description="clip_cov: the covariance above which a token may be cut")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: the covariance below which a token may be cut")
+    kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="kl_cov: the share of tokens that get the penalty")
+    kl_cov_coef: float = Field(1.0, ge=0, description="kl_cov: the weight of |log r| on those tokens")
     kl_estimator: str = Field(
-        "k3", json_schema_extra=IMPORT_PATH, description="k1, k2 (mse), k3 (low_var_kl), abs, or 'pkg.mod:fn'"
+        "k3",
+        json_schema_extra=IMPORT_PATH,
+        description="k1, k2 (mse), k3 (low_var_kl), abs, k1+, k3+ (straight-through: k2's gradient), or 'pkg.mod:fn'",
     )
     use_kl_loss: bool = Field(False, description="KL to the starting policy as a loss term, weighted kl_loss_coef")
     kl_loss_coef: float = Field(0.0, ge=0)
@@ -428,12 +440,18 @@ class AlgoConfig(_Section):
     def _known_name(cls, name: str | None, info: ValidationInfo) -> str | None:
         return name if name is None else check_algorithm_name(info.field_name, name)
 
+    @model_validator(mode="after")
+    def _covariance_range(self) -> AlgoConfig:
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
+        return self
+
     @property
     def aggregation(self) -> str:
         """The loss aggregation in effect: the configured one, else the method's own."""
         if self.loss_aggregation is not None:
             return self.loss_aggregation
-        if self.policy_loss == "gspo":
+        if self.policy_loss in ("gspo", "geo_mean", "sapo"):
             return "seq_mean_token_mean"
         if self.advantage_estimator == "dr_grpo":
             return "seq_mean_token_sum_norm"

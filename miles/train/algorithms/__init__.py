@@ -16,17 +16,22 @@ BUILTINS: dict[str, dict[str, str]] = {
         name: f"{_HERE}.advantages:{name}"
         for name in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
     },
-    "policy_loss": {name: f"{_HERE}.policy_losses:{name}" for name in ("ppo_clip", "gspo", "cispo")},
+    "policy_loss": {
+        name: f"{_HERE}.policy_losses:{name}"
+        for name in ("ppo_clip", "gspo", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov")
+    },
     "kl_estimator": {
         **{name: f"{_HERE}.kl:{name}" for name in ("k1", "k2", "k3")},
         "abs": f"{_HERE}.kl:absolute",
+        "k1+": f"{_HERE}.kl:k1_plus",
+        "k3+": f"{_HERE}.kl:k3_plus",
         # verl's names for the same estimators
         "mse": f"{_HERE}.kl:k2",
         "low_var_kl": f"{_HERE}.kl:k3",
     },
     "loss_aggregation": {
         name: f"{_HERE}.aggregation:{name}"
-        for name in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+        for name in ("token_mean", "token_sum", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
     },
 }
 

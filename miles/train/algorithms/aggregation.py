@@ -28,6 +28,12 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, scale: LossScale) -> to
     return (values * mask).sum() / scale.tokens
 
 
+def token_sum(values: torch.Tensor, mask: torch.Tensor, scale: LossScale) -> torch.Tensor:
+    """sum_i sum_t l_it: no normalisation, so the step grows with the batch's tokens (verl's token-sum; for a
+    learning rate tuned to it, or a custom normalisation outside)."""
+    return (values * mask).sum()
+
+
 def seq_mean_token_sum(values: torch.Tensor, mask: torch.Tensor, scale: LossScale) -> torch.Tensor:
     """(1/G) sum_i sum_t l_it: each sequence's token sum, averaged over sequences (verl's seq-mean-token-sum)."""
     return (values * mask).sum() / scale.sequences

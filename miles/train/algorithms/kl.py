@@ -13,6 +13,11 @@ Approximating KL Divergence, http://joschu.net/blog/kl-approx.html):
 
 k3 clamps d to [-20, 20] before exp and the estimate to at most 10, as verl does, so a token the reference finds
 near-impossible cannot dominate the loss.
+
+Straight-through variants `k1+` and `k3+`: the value of k1 or k3 (an unbiased estimate of the KL) with the gradient
+of k2, whose expected gradient is the KL's own (k1's and k3's are not): k2 - sg[k2] + sg[k]. verl's `k1+`/`k3+`;
+the gradient argument is Schulman 2020 (above) and Tang & Munos 2025, On a Few Pitfalls in KL Divergence Gradient
+Estimation for RL.
 """
 
 from __future__ import annotations
@@ -38,3 +43,16 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 def absolute(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return (logprobs - ref_logprobs).abs()
+
+
+def _straight_through(value: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    gradient = k2(logprobs, ref_logprobs)
+    return gradient - gradient.detach() + value.detach()
+
+
+def k1_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    return _straight_through(k1(logprobs, ref_logprobs), logprobs, ref_logprobs)
+
+
+def k3_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    return _straight_through(k3(logprobs, ref_logprobs), logprobs, ref_logprobs)

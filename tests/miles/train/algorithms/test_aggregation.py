@@ -12,6 +12,7 @@ from miles.train.algorithms.aggregation import (
     seq_mean_token_sum,
     seq_mean_token_sum_norm,
     token_mean,
+    token_sum,
 )
 
 F64 = torch.float64
@@ -91,3 +92,8 @@ def test_gradient_flows_to_masked_values_only(name):
     aggregate(values, MASK, SCALE).backward()
     assert (values.grad[MASK == 0] == 0).all()
     assert (values.grad[MASK == 1] > 0).all()
+
+
+def test_token_sum():
+    # 6 + 4, no denominator
+    assert token_sum(VALUES, MASK, SCALE).item() == pytest.approx(10.0)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from miles.train.algorithms.kl import K3_LOG_RATIO_LIMIT, K3_MAX, absolute, k1, k2, k3
+from miles.train.algorithms.kl import K3_LOG_RATIO_LIMIT, K3_MAX, absolute, k1, k1_plus, k2, k3, k3_plus
 
 F64 = torch.float64
 
@@ -84,3 +84,13 @@ def test_k3_gradient():
     logprobs = _t([[-1.0, -2.0, -3.0]]).requires_grad_(True)
     k3(logprobs, _t([[-1.5, -1.0, 0.0]])).sum().backward()
     torch.testing.assert_close(logprobs.grad, _t([[1 - math.exp(-0.5), 1 - math.e, 0.0]]))
+
+
+@pytest.mark.parametrize(("straight_through", "value"), [(k1_plus, k1), (k3_plus, k3)], ids=["k1+", "k3+"])
+def test_straight_through_variants_have_the_value_of_their_estimator_and_the_gradient_of_k2(straight_through, value):
+    logprobs = LOGPROBS.clone().requires_grad_(True)
+    estimate = straight_through(logprobs, REF_LOGPROBS)
+    torch.testing.assert_close(estimate, value(LOGPROBS, REF_LOGPROBS))
+    estimate.sum().backward()
+    # d(0.5 (lp - ref)^2)/d lp = lp - ref = -d: 0.5, 0, -1, -2
+    torch.testing.assert_close(logprobs.grad, _t([[0.5, 0.0, -1.0, -2.0]]))

@@ -9,7 +9,17 @@ import torch
 
 from miles.config import AlgoConfig
 from miles.train.algorithms.aggregation import LossScale, seq_mean_token_mean
-from miles.train.algorithms.policy_losses import LOG_RATIO_LIMIT, cispo, gspo, ppo_clip
+from miles.train.algorithms.policy_losses import (
+    LOG_RATIO_LIMIT,
+    cispo,
+    clip_cov,
+    geo_mean,
+    gpg,
+    gspo,
+    kl_cov,
+    ppo_clip,
+    sapo,
+)
 
 F64 = torch.float64
 ALGO = AlgoConfig(eps_clip=0.2, eps_clip_high=0.3)  # ratio bounds [0.8, 1.3]
@@ -250,3 +260,78 @@ def test_shapes_and_gradient_reaches_logprobs(fn):
     assert clipped.dtype == torch.bool
     loss.sum().backward()
     assert (logprobs.grad[:, :2] != 0).all()
+
+
+# ---- gpg, geo_mean, sapo, clip_cov, kl_cov ------------------------------------------------------------------------
+
+
+def test_gpg_is_the_plain_policy_gradient():
+    logprobs = _t([[-1.0, -2.0]]).requires_grad_(True)
+    loss, clipped = gpg(logprobs, logprobs.detach() + 5.0, _t([[1.0, -0.5]]), torch.ones(1, 2), ALGO)
+    torch.testing.assert_close(loss, _t([[1.0, -1.0]]))  # -A log pi: -1*-1, 0.5*-2; the old policy plays no part
+    loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, _t([[-1.0, 0.5]]))  # -A
+    assert not clipped.any()
+
+
+def test_geo_mean_hand_values_and_gradient():
+    # Log-space bounds [-0.2, 0.3]. Row 0, A = 1: log r = [ln 1.5, ln 0.5] -> pessimistic min with the bound:
+    # [0.3 (clipped), ln 0.5]; row 1, A = -1: max with the bound: [ln 1.5, -0.2 (clipped)].
+    logprobs, old, adv, mask = _inputs([[1.5, 0.5], [1.5, 0.5]], [[1.0, 1.0], [-1.0, -1.0]])
+    loss, clipped = geo_mean(logprobs, old, adv, mask, ALGO)
+    ratio_0 = math.exp((0.3 + math.log(0.5)) / 2)
+    ratio_1 = math.exp((math.log(1.5) - 0.2) / 2)
+    torch.testing.assert_close(loss, _t([[-ratio_0, -ratio_0], [ratio_1, ratio_1]]))
+    assert clipped.tolist() == [[True, False], [False, True]]
+    seq_mean_token_mean(loss, mask, LossScale(tokens=4.0, sequences=2, horizon=2)).backward()
+    # d/d lp_t of -A exp(mean_t log r) = -A exp(.) / |y| on an unclipped token, over 2 sequences
+    torch.testing.assert_close(logprobs.grad, _t([[0.0, -ratio_0 / 4], [ratio_1 / 4, 0.0]]))
+    assert AlgoConfig(policy_loss="geo_mean").aggregation == "seq_mean_token_mean"
+
+
+def test_sapo_hand_values_and_gradient():
+    # A = 1, r = 1, tau+ = 1: f = sigmoid(0) 4 = 2; A = -1, r = e^0.1, tau- = 1.05: f = sigmoid(1.05 (e^0.1 - 1)) 4/1.05
+    logprobs, old, adv, mask = _inputs([[1.0, math.exp(0.1)]], [[1.0, -1.0]])
+    loss, clipped = sapo(logprobs, old, adv, mask, AlgoConfig())
+    gate = 1 / (1 + math.exp(-1.05 * (math.exp(0.1) - 1)))
+    torch.testing.assert_close(loss, _t([[-2.0, gate * 4 / 1.05]]))
+    assert not clipped.any()
+    loss.sum().backward()
+    # d/d lp (-A f(r)) = -A 4 sigmoid (1 - sigmoid) r: -1 at r = 1 (PPO's gradient), a softer one off it
+    torch.testing.assert_close(logprobs.grad, _t([[-1.0, 4 * gate * (1 - gate) * math.exp(0.1)]]))
+    assert AlgoConfig(policy_loss="sapo").aggregation == "seq_mean_token_mean"
+
+
+# log pi [[-1, -3], [-1.5, -2.5]] (mean -2), A [[1, 1], [-1, -1]] (mean 0): covariance (A - 0)(log pi + 2) =
+# [[1, -1], [-0.5, 0.5]].
+COV_LOGPROBS = [[-1.0, -3.0], [-1.5, -2.5]]
+COV_ADVANTAGES = [[1.0, 1.0], [-1.0, -1.0]]
+
+
+def _cov_inputs(ratios):
+    logprobs = _t(COV_LOGPROBS).requires_grad_(True)
+    return logprobs, logprobs.detach() - _t(ratios).log(), _t(COV_ADVANTAGES), torch.ones(2, 2)
+
+
+def test_clip_cov_cuts_the_gradient_of_a_high_covariance_token_the_clip_left_alone():
+    # Covariances in (0.4, 5): (0, 0) at 1 and (1, 1) at 0.5; (1, 1) has A = -1, r = 0.5, which the clip takes
+    # (max(0.5, 0.8)), so (0, 0) is the only candidate and the ratio's share (at least one token) cuts it.
+    algo = AlgoConfig(eps_clip=0.2, eps_clip_high=0.3, clip_cov_lb=0.4)
+    logprobs, old, adv, mask = _cov_inputs([[1.1, 1.0], [1.0, 0.5]])
+    loss, clipped = clip_cov(logprobs, old, adv, mask, algo)
+    torch.testing.assert_close(loss, _t([[0.0, -1.0], [1.0, 0.8]]))
+    assert clipped.tolist() == [[True, False], [False, True]]
+    loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, _t([[0.0, -1.0], [1.0, 0.0]]))
+
+
+def test_kl_cov_penalises_the_largest_covariance_token():
+    # The largest covariance is (0, 0), r = 1.2: -1.2 + |ln 1.2|; the others -A r, no clip (r = 1.5 stays 1.5).
+    algo = AlgoConfig(kl_cov_coef=2.0)
+    logprobs, old, adv, mask = _cov_inputs([[1.2, 1.5], [1.0, 1.0]])
+    loss, penalised = kl_cov(logprobs, old, adv, mask, algo)
+    torch.testing.assert_close(loss, _t([[-1.2 + 2.0 * math.log(1.2), -1.5], [1.0, 1.0]]))
+    assert penalised.tolist() == [[True, False], [False, False]]
+    loss.sum().backward()
+    # d/d lp (-A r + c |log r|) = -A r + c sign(log r)
+    torch.testing.assert_close(logprobs.grad, _t([[-1.2 + 2.0, -1.5], [1.0, 1.0]]))

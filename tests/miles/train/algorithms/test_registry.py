@@ -30,13 +30,23 @@ def test_builtins_cover_every_kind():
     assert sorted(BUILTINS["advantage_estimator"]) == sorted(
         ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
     )
-    assert sorted(BUILTINS["policy_loss"]) == ["cispo", "gspo", "ppo_clip"]
-    assert sorted(BUILTINS["kl_estimator"]) == ["abs", "k1", "k2", "k3", "low_var_kl", "mse"]
+    assert sorted(BUILTINS["policy_loss"]) == [
+        "cispo",
+        "clip_cov",
+        "geo_mean",
+        "gpg",
+        "gspo",
+        "kl_cov",
+        "ppo_clip",
+        "sapo",
+    ]
+    assert sorted(BUILTINS["kl_estimator"]) == ["abs", "k1", "k1+", "k2", "k3", "k3+", "low_var_kl", "mse"]
     assert sorted(BUILTINS["loss_aggregation"]) == [
         "seq_mean_token_mean",
         "seq_mean_token_sum",
         "seq_mean_token_sum_norm",
         "token_mean",
+        "token_sum",
     ]
 
 
