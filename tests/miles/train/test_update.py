@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from miles.config import load_config
 from miles.rollout.schema import ROLLOUT_SCHEMA
-from miles.train.algorithms import Algorithm
+from miles.train.algorithms import BUILTINS, Algorithm
 from miles.train.update import token_advantages, train_on_rollout
 from tests.helpers import small_llama
 
@@ -108,6 +108,13 @@ def test_recomputed_old_policy_is_corrected_by_the_tis_weight():
     # the same correction as the rollout-log-prob path above.
     assert _logprob_gradient("algo.use_tis=true") == pytest.approx(-math.exp(0.2), abs=1e-6)
     assert _logprob_gradient("algo.use_tis=false") == pytest.approx(-1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("policy_loss", sorted(BUILTINS["policy_loss"]))
+def test_every_policy_loss_trains_with_the_policy_gradient_at_the_old_policy(policy_loss):
+    # At r = 1 (and one token, whose covariance is 0: no clip_cov cut, no kl_cov penalty slope) every built-in
+    # loss's gradient is REINFORCE's: dL/dlogp = -A = -1.
+    assert _logprob_gradient("algo.use_tis=false", f"algo.policy_loss={policy_loss}") == pytest.approx(-1.0, abs=1e-6)
 
 
 def test_masked_tis_drops_a_token_out_of_band():
