@@ -425,6 +425,15 @@ class AlgoConfig(_Section):
     )
     tis_clip: float = Field(2.0, gt=0, description="upper bound of the TIS weight")
     tis_clip_low: float = Field(0.0, ge=0, description="lower bound of the TIS weight")
+    rejection_level: Literal["off", "token", "sequence"] = Field(
+        "off",
+        description="leave out of the loss each token (token), or each sample (sequence: the mean over its tokens), "
+        "whose engine/trainer gap rejection_estimator exceeds rejection_threshold",
+    )
+    rejection_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="the gap per token, from d = log pi_old - log pi_rollout: k1 |d|, k2 d^2/2, k3 exp(-d)+d-1"
+    )
+    rejection_threshold: float = Field(0.01, gt=0, description="the largest gap kept")
     dynamic_sampling: bool = Field(
         False,
         description="DAPO: leave out groups whose rewards are all equal; generate more rounds (up to "
@@ -441,9 +450,14 @@ class AlgoConfig(_Section):
         return name if name is None else check_algorithm_name(info.field_name, name)
 
     @model_validator(mode="after")
-    def _covariance_range(self) -> AlgoConfig:
+    def _consistent(self) -> AlgoConfig:
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
+        if self.rejection_level != "off" and self.use_rollout_logprobs:
+            raise ValueError(
+                "rejection_level needs the trainer's own old log-probs to measure the gap: set use_rollout_logprobs "
+                "to false, or rejection_level to off"
+            )
         return self
 
     @property

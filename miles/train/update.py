@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from miles.config import AlgoConfig, RunConfig
 from miles.train.algorithms import Algorithm
 from miles.train.algorithms.aggregation import LossScale
-from miles.train.algorithms.off_policy import importance_weights
+from miles.train.algorithms.off_policy import importance_weights, kept_by_rejection
 from miles.train.batch import TrainBatch, batch_from_table, micro_batches, split_to
 from miles.train.logprobs import token_stats
 
@@ -208,6 +208,8 @@ def micro_batch_loss(
     pg, clipped = algorithm.policy_loss(logp, old_lp, advantages, mask, algo)
     if algo.corrects_off_policy:
         pg = pg * importance_weights(logprobs.old[rows], logprobs.rollout[rows], mask, algo)[0]
+    if algo.rejection_level != "off":
+        pg = pg * kept_by_rejection(logprobs.old[rows], logprobs.rollout[rows], mask, algo)
     loss = aggregate(pg, mask, scale)
     if algo.use_kl_loss:
         kl = algorithm.kl_estimator(logp, logprobs.reference[rows])
@@ -375,6 +377,9 @@ def rollout_metrics(
         weights, changed = importance_weights(logprobs.old[measured], logprobs.rollout[measured], mask_f, algo)
         local["tis_weights"] = float((weights * mask_f).sum())
         local["tis_changed"] = float((changed * mask_f).sum())
+    if algo.rejection_level != "off":
+        kept = kept_by_rejection(logprobs.old[measured], logprobs.rollout[measured], mask_f, algo)
+        local["rejected"] = float((~kept * mask_f).sum())
     total = dict(zip(local, _all_reduce_sum(list(local.values())), strict=True))
     tokens = max(total["tokens"], 1.0)
     measured_tokens = max(total["measured_tokens"], 1.0)
@@ -395,4 +400,6 @@ def rollout_metrics(
     if algo.corrects_off_policy:
         metrics["tis_weight_mean"] = total["tis_weights"] / measured_tokens
         metrics["tis_clip_fraction"] = total["tis_changed"] / measured_tokens
+    if algo.rejection_level != "off":
+        metrics["rejected_fraction"] = total["rejected"] / measured_tokens
     return metrics

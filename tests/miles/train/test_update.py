@@ -117,6 +117,13 @@ def test_every_policy_loss_trains_with_the_policy_gradient_at_the_old_policy(pol
     assert _logprob_gradient("algo.use_tis=false", f"algo.policy_loss={policy_loss}") == pytest.approx(-1.0, abs=1e-6)
 
 
+def test_rejection_leaves_a_token_out_of_the_gradient_when_the_gap_exceeds_the_threshold():
+    # d = log pi_old - log pi_rollout = -1.0 + 1.2 = 0.2 on the one token: k1 gap 0.2
+    reject = ["algo.use_tis=false", "algo.rejection_level=token", "algo.rejection_estimator=k1"]
+    assert _logprob_gradient(*reject, "algo.rejection_threshold=0.1") == 0.0
+    assert _logprob_gradient(*reject, "algo.rejection_threshold=0.3") == pytest.approx(-1.0, abs=1e-6)
+
+
 def test_masked_tis_drops_a_token_out_of_band():
     # w = 1.2214 is above tis_clip=1.1: clamp mode gives 1.1, mask mode gives 0.
     assert _logprob_gradient("algo.tis_clip=1.1") == pytest.approx(-1.1, abs=1e-6)

@@ -1,4 +1,5 @@
-"""miles.train.algorithms.off_policy.importance_weights: token and sequence level, clamp and mask modes."""
+"""miles.train.algorithms.off_policy: importance_weights (token and sequence level, clamp and mask modes) and
+kept_by_rejection (each gap estimator, token and sequence level)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from miles.config import AlgoConfig
-from miles.train.algorithms.off_policy import importance_weights
+from miles.train.algorithms.off_policy import importance_weights, kept_by_rejection
 
 F64 = torch.float64
 
@@ -117,3 +118,41 @@ def test_weights_carry_no_gradient(level):
     weights, _ = importance_weights(old, rollout, _t([[1, 1]]), algo)
     assert not weights.requires_grad
     assert weights.grad_fn is None
+
+
+# d = log pi_old - log pi_rollout per token: 0.1, -0.5, 0
+REJECTION_D = [[0.1, -0.5, 0.0]]
+
+
+@pytest.mark.parametrize(
+    ("estimator", "threshold"),
+    [
+        ("k1", 0.2),  # |d| = 0.1, 0.5, 0
+        ("k2", 0.1),  # d^2 / 2 = 0.005, 0.125, 0
+        ("k3", 0.01),  # exp(-d) + d - 1 = 0.00484, 0.14872, 0
+    ],
+)
+def test_token_rejection_leaves_out_the_token_whose_gap_exceeds_the_threshold(estimator, threshold):
+    algo = AlgoConfig(rejection_level="token", rejection_estimator=estimator, rejection_threshold=threshold)
+    rollout = _t([[-1.0, -2.0, -0.5]])
+    kept = kept_by_rejection(rollout + _t(REJECTION_D), rollout, torch.ones(1, 3, dtype=F64), algo)
+    assert kept.tolist() == [[True, False, True]]
+
+
+def test_sequence_rejection_takes_the_mean_gap_over_the_trained_tokens():
+    # k1: row 0 mean(|0.1|, |-0.5|) = 0.3 > 0.2, rejected whole; row 1 mean(0.1, 0.1) = 0.1, its untrained 5.0 ignored
+    algo = AlgoConfig(rejection_level="sequence", rejection_estimator="k1", rejection_threshold=0.2)
+    rollout = torch.zeros(2, 3, dtype=F64)
+    old = _t([[0.1, -0.5, 0.0], [0.1, 0.1, 5.0]])
+    kept = kept_by_rejection(old, rollout, _t([[1, 1, 0], [1, 1, 0]]), algo)
+    assert kept.tolist() == [[False, False, False], [True, True, True]]
+
+
+def test_rejection_off_keeps_everything():
+    kept = kept_by_rejection(_t([[9.0]]), _t([[0.0]]), _t([[1.0]]), AlgoConfig())
+    assert kept.tolist() == [[True]]
+
+
+def test_rejection_needs_the_trainers_own_old_logprobs():
+    with pytest.raises(ValueError, match="rejection_level needs the trainer's own old log-probs"):
+        AlgoConfig(rejection_level="token", use_rollout_logprobs=True)
