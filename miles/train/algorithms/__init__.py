@@ -14,7 +14,7 @@ _HERE = __name__
 BUILTINS: dict[str, dict[str, str]] = {
     "advantage_estimator": {
         name: f"{_HERE}.advantages:{name}"
-        for name in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        for name in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")
     },
     "policy_loss": {
         name: f"{_HERE}.policy_losses:{name}"

@@ -82,3 +82,18 @@ def reinforce_plus_plus_baseline(scores: torch.Tensor, groups: torch.Tensor) -> 
     """
     means, _ = _group_means(scores, groups)
     return _batch_normalized(scores - means)
+
+
+def gpg(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """A_i = alpha (r_i - mean_g r), alpha = N / M: the group-centred score without a std division, scaled up by the
+    share of samples that carry a gradient (M of the N have a nonzero centred score; the others' groups scored
+    alike), so that a batch of mostly equal groups still takes a full step.
+
+    Chu et al. 2025, GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning (arXiv:2504.02546),
+    the accurate gradient estimation; used with the `gpg` policy loss. (verl counts the samples with a nonzero score
+    as M instead.) Zero-mean per group; all zeros when every group scored alike.
+    """
+    means, _ = _group_means(scores, groups)
+    centred = scores - means
+    carrying = int((centred != 0).sum())
+    return centred * (len(scores) / carrying) if carrying else centred

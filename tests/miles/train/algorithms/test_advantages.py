@@ -10,6 +10,7 @@ import torch
 from miles.train.algorithms.advantages import (
     EPS,
     dr_grpo,
+    gpg,
     grpo,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
@@ -173,3 +174,12 @@ def test_shape_and_dtype(fn):
     assert out.shape == SCORES.shape
     assert out.dtype == torch.float64
     assert torch.isfinite(out).all()
+
+
+def test_gpg_hand_values():
+    # dr_grpo's centred scores [2/3, -1, -1/3, 0, 1, -1/3]; 5 of the 6 are not 0 (the single sample's is): x 6/5
+    torch.testing.assert_close(gpg(SCORES, GROUPS), _expect([0.8, -1.2, -0.4, 0.0, 1.2, -0.4]))
+
+
+def test_gpg_all_equal_groups_give_zero_not_nan():
+    torch.testing.assert_close(gpg(_expect([1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1])), _expect([0.0] * 4))
