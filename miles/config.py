@@ -411,7 +411,11 @@ class AlgoConfig(_Section):
     kl_in_reward: bool = Field(
         False, description="KL to the starting policy as a per-token reward penalty, weighted kl_reward_coef"
     )
-    kl_reward_coef: float = Field(0.0, ge=0)
+    kl_reward_coef: float = Field(0.0, ge=0, description="the KL-in-reward weight (the start, when adaptive)")
+    kl_reward_target: float | None = Field(
+        None, gt=0, description="adaptive KL control: the per-token KL the coefficient steers to; unset: fixed"
+    )
+    kl_reward_gain: float = Field(0.1, gt=0, description="adaptive KL control: the controller's gain (K_beta)")
     entropy_coef: float = Field(0.0, ge=0)
     use_rollout_logprobs: bool = Field(
         False, description="engine log-probs as the old policy instead of a recompute (then no TIS weight applies)"

@@ -28,7 +28,7 @@ from miles.seeds import train_seed
 from miles.tensor_payload import serialize_named_tensors
 from miles.train.logprobs import token_logprobs
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, join_trainer_group, shard_model
-from miles.train.update import batch_logprobs, set_lr, train_on_rollout
+from miles.train.update import batch_logprobs, set_lr, train_on_rollout, with_kl_reward_coef
 from miles.weight_check import WeightProbe, probe_ids
 from miles.weight_group import Membership, TensorSpec, WeightGroup, send_bucket
 
@@ -112,7 +112,7 @@ class TrainActor:
         if rollout_id in self.trained:
             return self.trained[rollout_id]
         torch.manual_seed(train_seed(self.config.seed, rollout_id, self.rank))
-        config = self.config.at(rollout_id)
+        config = with_kl_reward_coef(self.config.at(rollout_id), self.trained, rollout_id)
         set_lr(self.optimizer, config.train.lr)
         reference = None
         if self.ref_model is not None:

@@ -39,7 +39,7 @@ from miles.config import AdapterConfig, RunConfig
 from miles.run_dir import RunDir
 from miles.seeds import adapter_init_seed, train_seed
 from miles.train.sharding import join_trainer_group, shard_model
-from miles.train.update import batch_logprobs, train_on_rollout
+from miles.train.update import batch_logprobs, train_on_rollout, with_kl_reward_coef
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -150,17 +150,18 @@ class LoRATrainActor:
         if rollout_id in adapter.trained:
             return adapter.trained[rollout_id]
         torch.manual_seed(train_seed(adapter.config.seed, rollout_id, rank=0))
+        config = with_kl_reward_coef(adapter.config, adapter.trained, rollout_id)
         self.model.set_adapter(name)
         self.model.train()
         reference = None
-        if adapter.config.algo.needs_reference:
-            reference = partial(self._base_logprobs, config=adapter.config)
+        if config.algo.needs_reference:
+            reference = partial(self._base_logprobs, config=config)
         metrics = train_on_rollout(
             self.model,
             adapter.optimizer,
             adapter.params,
             table,
-            adapter.config,
+            config,
             self.device,
             self.pad_token_id,
             reference,

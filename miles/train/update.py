@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from miles.config import AlgoConfig, RunConfig
 from miles.train.algorithms import Algorithm
 from miles.train.algorithms.aggregation import LossScale
+from miles.train.algorithms.kl import adaptive_kl_coef
 from miles.train.algorithms.off_policy import importance_weights, kept_by_rejection
 from miles.train.batch import TrainBatch, batch_from_table, micro_batches, split_to
 from miles.train.logprobs import token_stats
@@ -69,16 +70,29 @@ def token_advantages(
     algorithm: Algorithm,
     old_logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
-) -> torch.Tensor:
-    """Each sample's advantage on each of its tokens ([B, T]). With `algo.kl_in_reward` every token also earns the
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each sample's advantage on each of its tokens ([B, T]), and the per-token KL penalty (None without
+    kl_in_reward). With `algo.kl_in_reward` every token also earns the
     reward -kl_reward_coef * KL_t (old policy vs reference), and its advantage gains that penalty's return to go,
     sum over t' >= t, undiscounted and unnormalised (the REINFORCE return of a per-token reward, as in Ouyang et al.
     2022, arXiv:2203.02155, eq. 2, and REINFORCE++); the estimator's outcome advantage is left as it is."""
     per_token = advantages.unsqueeze(1).expand_as(mask)
     if not algo.kl_in_reward:
-        return per_token
+        return per_token, None
     penalty = algorithm.kl_estimator(old_logprobs, ref_logprobs).detach() * mask
-    return per_token - algo.kl_reward_coef * penalty.flip(1).cumsum(1).flip(1)
+    return per_token - algo.kl_reward_coef * penalty.flip(1).cumsum(1).flip(1), penalty
+
+
+def with_kl_reward_coef(config: RunConfig, trained: dict[int, dict[str, float]], rollout_id: int) -> RunConfig:
+    """The config that trains `rollout_id`: with algo.kl_reward_target set, its kl_reward_coef is the adaptive
+    controller's after the rollouts trained before it (their `kl_in_reward` metrics), so a retry or a replay of the
+    rollout gets the same coefficient."""
+    algo = config.algo
+    if not (algo.kl_in_reward and algo.kl_reward_target is not None):
+        return config
+    history = [trained[i]["kl_in_reward"] for i in sorted(trained) if i < rollout_id]
+    coef = adaptive_kl_coef(algo.kl_reward_coef, history, algo.kl_reward_target, algo.kl_reward_gain)
+    return config.model_copy(update={"algo": algo.model_copy(update={"kl_reward_coef": coef})})
 
 
 def rank_rows(token_counts: torch.Tensor, world: int) -> list[torch.Tensor]:
@@ -288,9 +302,11 @@ def optimizer_step(
         if first_pass and step_rows.start == 0:
             logprobs.fill_old(rows, logp)
         reference = logprobs.reference[rows] if logprobs.reference is not None else None
-        advantages = token_advantages(
+        advantages, penalty = token_advantages(
             mb.advantages.to(device), mask, algo, algorithm, logprobs.old_policy(rows), reference
         )
+        if penalty is not None:
+            sums["kl_in_reward"] += float(penalty.sum())
         loss = micro_batch_loss(logp, entropy, advantages, mask, rows, logprobs, algo, algorithm, scale, sums)
         loss.backward()
         step_loss += float(loss.detach())
@@ -329,7 +345,7 @@ def train_on_rollout(
     algorithm = Algorithm.from_config(config.algo)
     batch, local_gbs = prepare_batch(table, config, pad_token_id)
     logprobs = policy_logprobs(model, batch, local_gbs, config, device, reference)
-    sums = dict(pg_loss=0.0, kl_ref=0.0, entropy=0.0, ppo_kl=0.0, clipped=0.0, tokens=0.0)
+    sums = dict(pg_loss=0.0, kl_ref=0.0, kl_in_reward=0.0, entropy=0.0, ppo_kl=0.0, clipped=0.0, tokens=0.0)
     step_losses, grad_norms = [], []
     for pass_ in range(config.train.num_passes):
         for start in range(0, len(batch), local_gbs):
@@ -397,6 +413,9 @@ def rollout_metrics(
     }
     if algo.use_kl_loss:
         metrics["kl_ref"] = total["kl_ref"] / tokens
+    if algo.kl_in_reward:
+        metrics["kl_in_reward"] = total["kl_in_reward"] / tokens
+        metrics["kl_reward_coef"] = algo.kl_reward_coef
     if algo.corrects_off_policy:
         metrics["tis_weight_mean"] = total["tis_weights"] / measured_tokens
         metrics["tis_clip_fraction"] = total["tis_changed"] / measured_tokens

@@ -56,3 +56,19 @@ def k1_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 def k3_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return _straight_through(k3(logprobs, ref_logprobs), logprobs, ref_logprobs)
+
+
+KL_CONTROL_ERROR_LIMIT = 0.2
+
+
+def adaptive_kl_coef(initial: float, history: list[float], target: float, gain: float) -> float:
+    """The KL-in-reward coefficient after the rollouts whose measured KLs are `history`, in order: each multiplies it
+    by 1 + gain * clip(KL / target - 1, -0.2, 0.2), raising it while the policy drifts faster than the target.
+
+    Ziegler et al. 2019, Fine-Tuning Language Models from Human Preferences (arXiv:1909.08593), section 2.2: a
+    proportional controller with K_beta = gain (the paper's 0.1), one update per rollout.
+    """
+    coef = initial
+    for kl in history:
+        coef *= 1.0 + gain * min(max(kl / target - 1.0, -KL_CONTROL_ERROR_LIMIT), KL_CONTROL_ERROR_LIMIT)
+    return coef

@@ -104,6 +104,20 @@ def test_kl_loss_pulls_the_policy_toward_the_frozen_reference(small_config, tiny
     assert 0.0 < pulled_gap < free_gap
 
 
+def test_the_kl_in_reward_coefficient_adapts_to_the_kl_measured_on_earlier_rollouts(
+    small_config, tiny_model_dir, tmp_path, rollout
+):
+    overrides = ["algo.kl_in_reward=true", "algo.kl_reward_coef=0.5", "algo.kl_reward_target=1e-9", "train.lr=0.05"]
+    actor = _actor(small_config, tiny_model_dir, tmp_path, *overrides)
+    first, second, third = (actor.train(i, rollout) for i in range(3))
+    # Rollout 0 starts at the reference (KL 0, below the target: the error is clipped to -0.2, x0.98); rollout 1 is
+    # trained by a policy that has left it (KL far above the target: +0.2, x1.02).
+    assert first["kl_reward_coef"] == 0.5 and first["kl_in_reward"] == pytest.approx(0.0, abs=1e-9)
+    assert second["kl_reward_coef"] == pytest.approx(0.5 * 0.98) and second["kl_in_reward"] > 1e-6
+    assert third["kl_reward_coef"] == pytest.approx(0.5 * 0.98 * 1.02)
+    assert actor.train(1, rollout) == second  # a retry gets the recorded rollout, coefficient and all
+
+
 def test_rollout_logprobs_as_the_old_policy(small_config, tiny_model_dir, tmp_path, rollout):
     metrics = _actor(small_config, tiny_model_dir, tmp_path, "algo.use_rollout_logprobs=true").train(0, rollout)
     # On-policy in fp32 the engine's log-probs are the trainer's: nothing is clipped on the first step.

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 from miles.config import load_config
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.train.algorithms import BUILTINS, Algorithm
-from miles.train.update import token_advantages, train_on_rollout
+from miles.train.update import token_advantages, train_on_rollout, with_kl_reward_coef
 from tests.helpers import small_llama
 
 OLD_LOGPROB, ROLLOUT_LOGPROB = -1.0, -1.2
@@ -139,19 +139,33 @@ def test_kl_in_reward_adds_the_penalty_return_to_go():
     # return to go (sum over t' >= t): [[-0.5, -0.5, -1, 0], [-0.7, -0.7, -0.5, 0]]
     # advantage - 0.1 * return to go, with advantages [1, -2]:
     expected = torch.tensor([[1.05, 1.05, 1.1, 1.0], [-1.93, -1.93, -1.95, -2.0]], dtype=torch.float64)
-    out = token_advantages(
+    out, penalty = token_advantages(
         torch.tensor([1.0, -2.0], dtype=torch.float64), mask, algo, Algorithm.from_config(algo), old, ref
     )
     torch.testing.assert_close(out * mask, expected * mask)
+    torch.testing.assert_close(penalty, torch.tensor([[0, 0.5, -1, 0], [0, -0.2, -0.5, 0]], dtype=torch.float64))
 
 
 def test_kl_penalty_leaves_advantages_alone_without_kl_in_reward():
     algo = load_config(None).algo
     mask = torch.ones(1, 3, dtype=torch.float64)
-    out = token_advantages(
+    out, penalty = token_advantages(
         torch.tensor([0.5], dtype=torch.float64), mask, algo, Algorithm.from_config(algo), None, None
     )
     torch.testing.assert_close(out, torch.full((1, 3), 0.5, dtype=torch.float64))
+    assert penalty is None
+
+
+def test_the_adaptive_kl_coefficient_of_a_rollout_follows_the_kl_measured_before_it():
+    overrides = ["algo.kl_in_reward=true", "algo.kl_reward_coef=0.1", "algo.kl_reward_target=0.02"]
+    config = load_config(None, overrides)
+    # KL 0.03 (error clipped to 0.2): x1.02; KL 0.01 (error -0.5, clipped to -0.2): x0.98; rollout 5 is later
+    trained = {0: {"kl_in_reward": 0.03}, 1: {"kl_in_reward": 0.01}, 5: {"kl_in_reward": 9.0}}
+    assert with_kl_reward_coef(config, trained, 0).algo.kl_reward_coef == pytest.approx(0.1)
+    assert with_kl_reward_coef(config, trained, 1).algo.kl_reward_coef == pytest.approx(0.102)
+    assert with_kl_reward_coef(config, trained, 2).algo.kl_reward_coef == pytest.approx(0.102 * 0.98)
+    fixed = load_config(None, overrides[:2])
+    assert with_kl_reward_coef(fixed, trained, 2) is fixed
 
 
 def _episode_table(tokenizer, response: str, mask: list[int], env_logprob: float) -> pa.Table:

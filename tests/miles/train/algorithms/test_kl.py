@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from miles.train.algorithms.kl import K3_LOG_RATIO_LIMIT, K3_MAX, absolute, k1, k1_plus, k2, k3, k3_plus
+from miles.train.algorithms.kl import (
+    K3_LOG_RATIO_LIMIT,
+    K3_MAX,
+    absolute,
+    adaptive_kl_coef,
+    k1,
+    k1_plus,
+    k2,
+    k3,
+    k3_plus,
+)
 
 F64 = torch.float64
 
@@ -94,3 +104,11 @@ def test_straight_through_variants_have_the_value_of_their_estimator_and_the_gra
     estimate.sum().backward()
     # d(0.5 (lp - ref)^2)/d lp = lp - ref = -d: 0.5, 0, -1, -2
     torch.testing.assert_close(logprobs.grad, _t([[0.5, 0.0, -1.0, -2.0]]))
+
+
+def test_adaptive_kl_coef_hand_values():
+    # target 0.1, gain 0.1: KL 0.11 -> error 0.1 -> x1.01; KL 0.5 -> error 4, clipped to 0.2 -> x1.02;
+    # KL 0.05 -> error -0.5, clipped to -0.2 -> x0.98
+    assert adaptive_kl_coef(0.2, [], 0.1, 0.1) == 0.2
+    assert adaptive_kl_coef(0.2, [0.11], 0.1, 0.1) == pytest.approx(0.202)
+    assert adaptive_kl_coef(0.2, [0.11, 0.5, 0.05], 0.1, 0.1) == pytest.approx(0.2 * 1.01 * 1.02 * 0.98)
