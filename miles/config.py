@@ -375,7 +375,8 @@ class AlgoConfig(_Section):
     advantage_estimator: str = Field(
         "grpo",
         json_schema_extra=IMPORT_PATH,
-        description="grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gpg, or 'pkg.mod:fn'",
+        description="grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_sample, "
+        "reinforce_plus_plus_baseline, gpg, opo, or 'pkg.mod:fn'",
     )
     policy_loss: str = Field(
         "ppo_clip",

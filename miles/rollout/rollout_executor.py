@@ -235,7 +235,7 @@ class RolloutExecutor:
             filtered_groups = len(np.unique(groups[equal & ~keep_rows]))
             table, staleness = table.filter(pa.array(keep_rows)), staleness[keep_rows]
             scores, groups, equal = scores[torch.from_numpy(keep_rows)], groups[keep_rows], equal[keep_rows]
-        advantages = self.advantage_estimator(scores, torch.from_numpy(groups))
+        advantages = self.advantage_estimator(scores, torch.from_numpy(groups), torch.from_numpy(trained_tokens(table)))
         if advantages.shape != scores.shape:
             raise ValueError(
                 f"algo.advantage_estimator {self.config.algo.advantage_estimator!r} returned shape "
@@ -331,6 +331,14 @@ def uneven_groups(groups: np.ndarray, workers: int) -> np.ndarray:
             if key not in best or total + size < best[key][0]:
                 best[key] = (total + size, (*chosen, group))
     return np.array(sorted(best[excess][1]), dtype=groups.dtype)
+
+
+def trained_tokens(table: pa.Table) -> np.ndarray:
+    """Each sample's trained tokens (the ones of its loss mask), float64."""
+    masks = table.column("loss_mask").combine_chunks()
+    running = np.concatenate([[0.0], np.cumsum(masks.values.to_numpy(zero_copy_only=False), dtype=np.float64)])
+    offsets = masks.offsets.to_numpy()
+    return running[offsets[1:]] - running[offsets[:-1]]
 
 
 def _token_staleness(table: pa.Table, trainer_version: int) -> dict[str, float]:

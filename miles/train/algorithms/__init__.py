@@ -14,7 +14,16 @@ _HERE = __name__
 BUILTINS: dict[str, dict[str, str]] = {
     "advantage_estimator": {
         name: f"{_HERE}.advantages:{name}"
-        for name in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg")
+        for name in (
+            "grpo",
+            "dr_grpo",
+            "rloo",
+            "reinforce_plus_plus",
+            "reinforce_plus_plus_sample",
+            "reinforce_plus_plus_baseline",
+            "gpg",
+            "opo",
+        )
     },
     "policy_loss": {
         name: f"{_HERE}.policy_losses:{name}"

@@ -1,15 +1,17 @@
 """Advantage estimators: one score per sample in, one advantage per sample out.
 
-Signature (built-ins and `pkg.mod:fn` alike): `estimator(scores, groups) -> advantages`, all shape [N]. `scores` are
-the samples' rewards after shaping (failed samples are already left out), float64; `groups` holds each sample's
-prompt group as any integer ids. The trainer broadcasts each advantage over its sample's response tokens.
+Signature (built-ins and `pkg.mod:fn` alike): `estimator(scores, groups, lengths) -> advantages`, all shape [N].
+`scores` are the samples' rewards after shaping (failed samples are already left out), float64; `groups` holds each
+sample's prompt group as any integer ids; `lengths` each sample's trained tokens (its loss mask's ones), float64.
+The trainer broadcasts each advantage over its sample's response tokens.
 
 Conventions, written down once:
-- std is the unbiased one (divisor n - 1), per group for GRPO, over the batch for the REINFORCE++ pair; a set of
-  one sample has std 0.
+- std is the unbiased one (divisor n - 1), per group for GRPO, over the batch's tokens for REINFORCE++ (n the
+  tokens), over its samples for reinforce_plus_plus_sample and reinforce_plus_plus_baseline; a set of one has std 0.
 - eps = 1e-6 is added to the std, outside the square root: (r - mean) / (std + eps).
 - A group of one sample (the others of its prompt failed, or n_samples_per_prompt = 1) has no baseline: grpo,
-  dr_grpo, rloo and reinforce_plus_plus_baseline give it advantage 0. reinforce_plus_plus ignores groups.
+  dr_grpo, rloo, opo, gpg and reinforce_plus_plus_baseline give it advantage 0. reinforce_plus_plus and
+  reinforce_plus_plus_sample ignore groups.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _batch_normalized(values: torch.Tensor) -> torch.Tensor:
     return (values - values.mean()) / (values.std(unbiased=True) + EPS)
 
 
-def grpo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+def grpo(scores: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """A_i = (r_i - mean_g r) / (std_g r + eps) over the samples g of the same prompt.
 
     Shao et al. 2024, DeepSeekMath (arXiv:2402.03300), section 4.1.2, outcome supervision. Zero-mean per group.
@@ -44,7 +46,7 @@ def grpo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return centred / (std + EPS)
 
 
-def dr_grpo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+def dr_grpo(scores: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """A_i = r_i - mean_g r: GRPO without the std division, whose per-question weighting is biased.
 
     Liu et al. 2025, Understanding R1-Zero-Like Training: A Critical Perspective (arXiv:2503.20783), section 3.2;
@@ -55,7 +57,7 @@ def dr_grpo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return scores - means
 
 
-def rloo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+def rloo(scores: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """A_i = r_i - mean of the other k - 1 samples of the group = k / (k - 1) (r_i - mean_g r).
 
     Kool et al. 2019, Buy 4 REINFORCE Samples, Get a Baseline for Free!; Ahmadian et al. 2024, Back to Basics
@@ -65,16 +67,32 @@ def rloo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return torch.where(counts > 1, counts / (counts - 1).clamp(min=1) * (scores - means), 0.0)
 
 
-def reinforce_plus_plus(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """A_i = (r_i - mean_B r) / (std_B r + eps) over the whole batch B: no per-prompt baseline.
+def reinforce_plus_plus(scores: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A_i = (r_i - mean_T r) / (std_T r + eps) over the batch's trained tokens T (each sample's score counts once per
+    token it trained): global advantage whitening over tokens, no per-prompt baseline.
 
-    Hu 2025, REINFORCE++ (arXiv:2501.03262), global advantage normalisation. The paper whitens over tokens; here
-    each sample counts once (its advantage is the same on all its tokens). Zero-mean over the batch.
+    Hu 2025, REINFORCE++ (arXiv:2501.03262), global advantage normalisation, as the paper writes it: a long response
+    weighs more in the mean and std. With kl_in_reward the per-token KL penalty is added after this, unwhitened.
+    Zero-mean over the batch's tokens.
+    """
+    tokens = lengths.sum()
+    if tokens < 2:
+        return torch.zeros_like(scores)
+    mean = (lengths * scores).sum() / tokens
+    std = torch.sqrt((lengths * (scores - mean) ** 2).sum() / (tokens - 1))
+    return (scores - mean) / (std + EPS)
+
+
+def reinforce_plus_plus_sample(scores: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A_i = (r_i - mean_B r) / (std_B r + eps) over the batch's samples B: REINFORCE++ with each sample counted once,
+    whatever its length (this project's reinforce_plus_plus before token-level whitening).
+
+    Hu 2025, REINFORCE++ (arXiv:2501.03262), normalised per sample instead of per token. Zero-mean over the batch.
     """
     return _batch_normalized(scores)
 
 
-def reinforce_plus_plus_baseline(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+def reinforce_plus_plus_baseline(scores: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """A_i = normalise_B(r_i - mean_g r): the group mean as baseline, then global batch normalisation.
 
     Hu 2025, REINFORCE++ (arXiv:2501.03262), the REINFORCE++-baseline variant for reasoning tasks. Zero-mean over
@@ -84,7 +102,7 @@ def reinforce_plus_plus_baseline(scores: torch.Tensor, groups: torch.Tensor) -> 
     return _batch_normalized(scores - means)
 
 
-def gpg(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+def gpg(scores: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """A_i = alpha (r_i - mean_g r), alpha = N / M: the group-centred score without a std division, scaled up by the
     share of samples that carry a gradient (M of the N have a nonzero centred score; the others' groups scored
     alike), so that a batch of mostly equal groups still takes a full step.
@@ -97,3 +115,15 @@ def gpg(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     centred = scores - means
     carrying = int((centred != 0).sum())
     return centred * (len(scores) / carrying) if carrying else centred
+
+
+def opo(scores: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - sum_g l_j r_j / sum_g l_j: the group's length-weighted mean score as baseline, the variance-optimal
+    one when the gradient's magnitude grows with the response's length.
+
+    Hao et al. 2025, On-Policy RL with Optimal Reward Baseline (arXiv:2505.23585); no std division. Length-weighted
+    zero mean per group.
+    """
+    weighted, _ = _group_means(lengths * scores, groups)
+    total, _ = _group_means(lengths, groups)
+    return torch.where(total > 0, scores - weighted / total.clamp(min=EPS), 0.0)

@@ -11,7 +11,13 @@ from miles.config import RolloutConfig, load_config
 from miles.data import DataSource
 from miles.rewards import resolve_reward
 from miles.rollout.inference_controller import InferenceController
-from miles.rollout.rollout_executor import PromptOrder, RolloutExecutor, scorer_identity, uneven_groups
+from miles.rollout.rollout_executor import (
+    PromptOrder,
+    RolloutExecutor,
+    scorer_identity,
+    trained_tokens,
+    uneven_groups,
+)
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.rollout.store import DamagedRollout, RolloutStore
 from miles.run_dir import RunDir
@@ -410,6 +416,13 @@ def test_advantages_come_from_the_configured_estimator(tmp_path):
     handed, _ = executor.get(0, trainer_version=0)
     # RLOO: r_i - mean of the other two: 1 - 0, 0 - 0.5, 0 - 0.5; 0.5 - 1.25, 0.5 - 1.25, 2 - 0.5
     np.testing.assert_allclose(handed.column("advantage").to_numpy(), [1, -0.5, -0.5, -0.75, -0.75, 1.5], rtol=1e-6)
+
+
+def test_trained_tokens_count_the_loss_masks_ones_of_the_rows_handed_over():
+    table = pa.table({"loss_mask": pa.array([[1, 1, 0, 1], [], [0, 0], [1, 1, 1]], pa.list_(pa.int8()))})
+    np.testing.assert_array_equal(trained_tokens(table), [3, 0, 0, 3])
+    # a filtered and sliced table reads its own rows, not the buffers behind them
+    np.testing.assert_array_equal(trained_tokens(table.filter(pa.array([True, False, True, True])).slice(1)), [0, 3])
 
 
 def test_overlong_responses_lose_reward_before_the_advantages(tmp_path):

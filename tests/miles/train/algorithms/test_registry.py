@@ -28,7 +28,16 @@ def some_fn(logprobs, old_logprobs, advantages, mask, algo):
 def test_builtins_cover_every_kind():
     assert sorted(BUILTINS) == sorted(KINDS)
     assert sorted(BUILTINS["advantage_estimator"]) == sorted(
-        ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg"]
+        [
+            "grpo",
+            "dr_grpo",
+            "rloo",
+            "reinforce_plus_plus",
+            "reinforce_plus_plus_sample",
+            "reinforce_plus_plus_baseline",
+            "gpg",
+            "opo",
+        ]
     )
     assert sorted(BUILTINS["policy_loss"]) == [
         "cispo",
