@@ -87,6 +87,8 @@ def make_rollout(samples: int, seed: int) -> dict[str, np.ndarray]:
     response_offsets = np.concatenate([[0], np.cumsum(response_len)]).astype(np.int32)
     tokens = int(response_offsets[-1])
     raw_reward = rng.integers(0, 2, samples).astype(np.float32)
+    scores = torch.from_numpy(raw_reward.astype(np.float64))
+    lengths = torch.from_numpy(response_len.astype(np.float64))
     return {
         "group_index": group_of.astype(np.int64),
         "prompt_offsets": prompt_offsets,
@@ -97,7 +99,7 @@ def make_rollout(samples: int, seed: int) -> dict[str, np.ndarray]:
         "logprobs": (-rng.exponential(0.5, tokens)).astype(np.float32),
         "loss_mask": (rng.random(tokens) < 0.95).astype(np.int8),
         "raw_reward": raw_reward,
-        "advantage": grpo(torch.from_numpy(raw_reward.astype(np.float64)), torch.from_numpy(group_of)).numpy(),
+        "advantage": grpo(scores, torch.from_numpy(group_of), lengths).numpy(),
         "truncated": rng.random(samples) < 0.1,
     }
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pyarrow as pa
+import torch
 
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.rollout.generation import SampleRecord
 from miles.rollout.schema import ROLLOUT_SCHEMA, records_table
+from miles.train.algorithms.advantages import grpo
 
 
 def make_requests(tokenizer, prompts, **sampling):
@@ -38,6 +40,12 @@ def completions_table(requests, results, rewards, group_index, advantages) -> pa
         label=labels,
         advantage=advantages,
     )
+
+
+def grpo_advantages(rewards: torch.Tensor, results, group_size: int = 4) -> list[float]:
+    """GRPO advantages of `rewards` over groups of `group_size` consecutive samples."""
+    lengths = torch.tensor([len(r.output_ids) for r in results], dtype=torch.float64)
+    return grpo(rewards, torch.arange(len(results)) // group_size, lengths).tolist()
 
 
 def training_table(requests, results, advantages=None) -> pa.Table:

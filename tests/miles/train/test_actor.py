@@ -11,11 +11,10 @@ from miles.engines.torch_engine import TorchEngine
 from miles.run_dir import RunDir
 from miles.train import actor as actor_module
 from miles.train.actor import TrainActor
-from miles.train.algorithms.advantages import grpo
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs
 from miles.weight_group import FLATTENED
-from tests.helpers.samples import make_requests, seeded, training_table
+from tests.helpers.samples import grpo_advantages, make_requests, seeded, training_table
 from tests.helpers.weight_sender import new_group
 
 
@@ -26,7 +25,7 @@ def rollout(tiny_model_dir):
     results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(seeded(requests, 11))
     torch.manual_seed(0)
     rewards = torch.rand(len(results), dtype=torch.float64)
-    advantages = grpo(rewards, torch.arange(len(results)) // 4).tolist()
+    advantages = grpo_advantages(rewards, results)
     return training_table(requests, results, advantages)
 
 

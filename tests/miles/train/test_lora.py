@@ -16,11 +16,10 @@ from transformers import AutoModelForCausalLM
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
 from miles.run_dir import RunDir
-from miles.train.algorithms.advantages import grpo
 from miles.train.batch import batch_from_table
 from miles.train.lora import LoRATrainActor, is_adapter_key
 from miles.train.update import batch_logprobs
-from tests.helpers.samples import make_requests, seeded, training_table
+from tests.helpers.samples import grpo_advantages, make_requests, seeded, training_table
 
 PROMPTS = [f"{a}+{a + 3}=" for a in range(8)] * 2
 
@@ -31,7 +30,7 @@ def rollout(tiny_model_dir, tokenizer):
     results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(seeded(requests, 11))
     torch.manual_seed(0)
     rewards = torch.rand(len(results), dtype=torch.float64)
-    advantages = grpo(rewards, torch.arange(len(results)) // 4).tolist()
+    advantages = grpo_advantages(rewards, results)
     return training_table(requests, results, advantages)
 
 

@@ -10,11 +10,10 @@ from transformers import AutoTokenizer
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
 from miles.run_dir import RunDir
-from miles.train.algorithms.advantages import grpo
 from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
 from tests.helpers import max_abs_diff, relative_distance
-from tests.helpers.samples import make_requests, seeded, training_table
+from tests.helpers.samples import grpo_advantages, make_requests, seeded, training_table
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +23,7 @@ def rollout(tiny_model_dir):
     requests = make_requests(tokenizer, [f"{a}+{a + 3}=" for a in range(8)] * 4, max_new_tokens=6)
     results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(seeded(requests, 7))
     rewards = torch.rand(len(results), dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    return training_table(requests, results, grpo(rewards, torch.arange(len(results)) // 4).tolist())
+    return training_table(requests, results, grpo_advantages(rewards, results))
 
 
 def _group(small_config, model_dir, run_dir, *overrides, checkpoint=None):

@@ -10,11 +10,10 @@ from transformers import AutoTokenizer
 from miles.engines.torch_engine import TorchEngine
 from miles.run_dir import RunDir
 from miles.train.actor import TrainActor
-from miles.train.algorithms.advantages import grpo
 from miles.train.group import start_trainer_group
 from miles.train.update import rank_rows
 from tests.helpers import max_abs_diff
-from tests.helpers.samples import make_requests, seeded, training_table
+from tests.helpers.samples import grpo_advantages, make_requests, seeded, training_table
 from tests.helpers.waiting import eventually
 
 
@@ -33,7 +32,7 @@ def rollout(tiny_model_dir):
     requests = make_requests(tokenizer, [f"{a}+{2 * a + 1}=" for a in range(12)] * 4, max_new_tokens=6)
     results = TorchEngine(str(tiny_model_dir), num_threads=1).generate(seeded(requests, 5))
     rewards = torch.rand(len(results), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    return training_table(requests, results, grpo(rewards, torch.arange(len(results)) // 4).tolist())
+    return training_table(requests, results, grpo_advantages(rewards, results))
 
 
 def _trained(small_config, tiny_model_dir, run_dir, rollout, *overrides):
