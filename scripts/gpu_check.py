@@ -82,7 +82,8 @@ def _requests(tokenizer, count: int, group: int, max_new: int, stop: bool, adapt
 
 def _table(requests, results, rewards, group: int) -> pa.Table:
     n = len(results)
-    advantages = grpo(torch.tensor(rewards, dtype=torch.float64), torch.arange(n) // group).tolist()
+    lengths = torch.tensor([len(r.output_ids) for r in results], dtype=torch.float64)
+    advantages = grpo(torch.tensor(rewards, dtype=torch.float64), torch.arange(n) // group, lengths).tolist()
     return completions_table(requests, results, rewards, [i // group for i in range(n)], advantages)
 
 
