@@ -347,8 +347,14 @@ def test_a_push_in_the_middle_of_a_generation_is_recorded_per_token(
     """Pins: a push while requests run pauses them (retract), loads, and continues them on the new weights; each
     output's `weight_versions` spans say which tokens came from which version."""
     pushed = weights_directory(contract_model_dir, perturbed_weights(contract_model_dir, 3, 0.05), tmp_path / "6")
+    started = time.monotonic()
+    unpushed, _ = _long_generation(server, tokenizer)
+    unpushed.join(120)
+    whole_generation_s = time.monotonic() - started
     thread, outputs = _long_generation(server, tokenizer)
     assert eventually(lambda: _generating(server), timeout_s=60), "the generation never started"
+    # A request counts as running from its arrival, before its first token: push a third of the way in.
+    time.sleep(whole_generation_s / 3)
     server.update_weights_from_disk(str(pushed), 6)
     thread.join(120)
     versions = [token_versions(o["meta_info"], len(o["output_ids"])) for o in outputs]
