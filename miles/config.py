@@ -376,8 +376,10 @@ class AlgoConfig(_Section):
         "grpo",
         json_schema_extra=IMPORT_PATH,
         description="grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_sample, "
-        "reinforce_plus_plus_baseline, gpg, opo, or 'pkg.mod:fn'",
+        "reinforce_plus_plus_baseline, gpg, opo, gae (PPO's, with a critic: the critic section), or 'pkg.mod:fn'",
     )
+    gamma: float = Field(1.0, ge=0, le=1, description="gae: the discount per token")
+    lam: float = Field(1.0, ge=0, le=1, description="gae: lambda, the bias/variance trade-off of the estimate")
     policy_loss: str = Field(
         "ppo_clip",
         json_schema_extra=IMPORT_PATH,
@@ -477,6 +479,11 @@ class AlgoConfig(_Section):
         return "token_mean"
 
     @property
+    def uses_critic(self) -> bool:
+        """Whether advantages come from a learned value function (GAE) rather than from the group's scores."""
+        return self.advantage_estimator == "gae"
+
+    @property
     def needs_reference(self) -> bool:
         """Whether the trainer holds the starting policy as a frozen reference."""
         return self.use_kl_loss or self.kl_in_reward
@@ -548,6 +555,26 @@ class TrainConfig(_Section):
         if self.sharding is not None:
             return self.sharding == "fsdp"
         return self.num_workers > 1 or self.param_dtype != "float32"
+
+
+class CriticConfig(_Section):
+    """PPO's value model (algo.advantage_estimator=gae): a trainer group of its own beside the policy's, with the
+    policy trainer's settings (device, sharding, dtype, batch sizes, passes) unless set here."""
+
+    model_path: str | None = Field(
+        None,
+        json_schema_extra=FILE_PATH,
+        description="a Hugging Face model directory to start the critic from; unset: the policy's starting model. "
+        "A causal LM gets a new value head (one output per token)",
+    )
+    lr: float | None = Field(None, gt=0, description="unset: the preset's (2e-3 on a built-in task, else 1e-5)")
+    cliprange_value: float | None = Field(
+        0.5, gt=0, description="each value stays within this of the one the rollout was estimated with; unset: off"
+    )
+    warmup_rollouts: int = Field(
+        0, ge=0, description="the first N rollouts train the critic only; the policy takes no step on them"
+    )
+    num_workers: int = Field(1, gt=0, description="critic workers: Ray actors in one torch.distributed group")
 
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -625,6 +652,7 @@ EMBEDDED_TASK_PRESET: dict[tuple[str, str], Any] = {
     ("train", "lr"): 5e-4,
     ("train", "adam_betas"): (0.9, 0.98),
     ("train", "gradient_checkpointing"): False,
+    ("critic", "lr"): 2e-3,
 }
 OWN_DATA_PRESET: dict[tuple[str, str], Any] = {
     ("rollout", "max_new_tokens"): 1024,
@@ -632,6 +660,7 @@ OWN_DATA_PRESET: dict[tuple[str, str], Any] = {
     ("train", "adam_betas"): (0.9, 0.999),
     ("train", "max_tokens_per_micro_batch"): 8192,
     ("train", "gradient_checkpointing"): True,
+    ("critic", "lr"): 1e-5,
 }
 
 
@@ -737,6 +766,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
+    critic: CriticConfig = CriticConfig()
     logging: LoggingConfig = LoggingConfig()
     alerts: AlertsConfig = AlertsConfig()
     eval: EvalConfig = EvalConfig()
@@ -836,6 +866,16 @@ class RunConfig(_Section):
                 f"(gloo on CPU, NCCL on CUDA): train.device ({self.train.device}) and rollout.device "
                 f"({self.rollout.device}) must both be cpu or both cuda"
             )
+        if self.algo.uses_critic:
+            if self.critic.num_workers > 1 and self.train.sharding == "none":
+                raise ValueError(f"critic.num_workers={self.critic.num_workers} needs train.sharding fsdp or unset")
+            if self.train.global_batch_size % self.critic.num_workers:
+                raise ValueError(
+                    f"critic.num_workers ({self.critic.num_workers}) must divide "
+                    f"train.global_batch_size ({self.train.global_batch_size})"
+                )
+            if self.adapters:
+                raise ValueError("algo.advantage_estimator=gae trains a critic of the full model; adapters have none")
         names = [adapter.name for adapter in self.adapters]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
@@ -846,7 +886,14 @@ class RunConfig(_Section):
     def ray_actors(self) -> int:
         """The Ray actors a run starts: its engines and its trainer workers (of each trainer group)."""
         groups = len({adapter.trainer_group for adapter in self.adapters}) or 1
-        return self.rollout.num_engines + groups * self.train.num_workers
+        critic = self.critic.num_workers if self.algo.uses_critic else 0
+        return self.rollout.num_engines + groups * self.train.num_workers + critic
+
+    def critic_view(self) -> RunConfig:
+        """The run as the critic's trainer group sees it: critic.num_workers workers at critic.lr, with the policy
+        trainer's other settings."""
+        train = self.train.model_copy(update={"num_workers": self.critic.num_workers, "lr": self.critic.lr})
+        return self.model_copy(update={"train": train, "run_dir": str(RunDir(self.run_dir).critic().path)})
 
     @property
     def samples_per_rollout(self) -> int:
@@ -937,6 +984,7 @@ CHANGES_FREELY = (
     "train.gradient_checkpointing",
     "train.weight_bucket_mb",
     "train.placement",
+    "critic.num_workers",
     "adapters.*.num_steps",
     "adapters.*.eval",
     "adapters.*.trainer_group",

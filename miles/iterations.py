@@ -233,6 +233,10 @@ class Iterations:
         self.data_source.position = self.executor.prompt_order.end_of(rollout_id)  # what a checkpoint now saves
         return metrics
 
+    def add_metrics(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        """Metrics of the iteration measured beside the policy's training (the critic's), for its record."""
+        self._metrics.setdefault(rollout_id, {}).update(metrics)
+
     def _record_trained(self, rollout_id: int, metrics: dict[str, float]) -> None:
         if rollout_id not in self.ledger.trained:  # a retried train_step was answered from the trainer's record
             self.ledger.record(rollout_id, metrics)

@@ -45,6 +45,8 @@ def plain_steps() -> Iterator[Steps]:
             generate=PlainStep(lambda run, rollout_id: run.generate(rollout_id), threads),
             get=PlainStep(lambda run, rollout_id: run.get(rollout_id), threads),
             train_step=PlainStep(lambda run, rollout_id, table: run.train(rollout_id, table), threads),
+            compute_values=PlainStep(lambda run, rollout_id: run.compute_values(rollout_id), threads),
+            train_critic=PlainStep(lambda run, rollout_id, table: run.train_critic(rollout_id, table), threads),
             sync_weights=PlainStep(lambda run, rollout_id: run.sync_weights(rollout_id), threads),
             save_checkpoint=PlainStep(lambda run, rollout_id: run.save_checkpoint(rollout_id), threads),
             push_adapter=PlainStep(lambda run, rollout_id: run.push_adapter(rollout_id), threads),

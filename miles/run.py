@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from miles.checkpoint import MODEL_DIR
+from miles.checkpoint import MODEL_DIR, latest_checkpoint, read_state
 from miles.cluster import ActorGroup, RestartableActor, ensure_ray
 from miles.config import ConfigChange, ConfigError, RunConfig, recorded_changes
 from miles.data import check_prompt_tokens, load_rows
@@ -40,11 +40,13 @@ from miles.rollout.weight_transport import (
     TensorPush,
     TrainerWeights,
 )
-from miles.run_dir import RunDir
+from miles.run_dir import Ledger, RunDir
 from miles.train.actor import TrainActor
 from miles.train.algorithms import Algorithm
-from miles.train.group import start_trainer_group
+from miles.train.critic import CriticActor
+from miles.train.group import start_trainer_group, start_worker_group
 from miles.weight_check import WeightProbe
+from miles.weight_version import trained_version
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +178,9 @@ class RLRun:
             started.callback(self.iterations.close)
             self.trainer = RestartableActor("trainer", self._restored_trainer)
             started.callback(self.trainer.kill)
+            if self.has_critic:
+                self.critic = RestartableActor("critic", self._restored_critic)
+                started.callback(self.critic.kill)
             self._trainer_weights = TrainerWeights(
                 self.trainer,
                 self.controller.engine_class.served_dtype(str(self.initial_model), config.rollout),
@@ -228,6 +233,38 @@ class RLRun:
 
         return self.iterations.restore(start, train)
 
+    @property
+    def has_critic(self) -> bool:
+        return self.config.algo.uses_critic
+
+    def _restored_critic(self) -> ActorGroup:
+        """The critic's group from its latest intact checkpoint (else from critic.model_path or the policy's starting
+        model), re-trained on every rollout the policy has trained since that checkpoint, from their stored files and
+        values: the critic comes out with the weights it had, and catches up on a rollout the policy trained before
+        the critic's turn came (a run stopped between the two). At the start and after a critic worker died."""
+        critic_dir = self.run_dir.critic().create()
+        checkpoint = latest_checkpoint(critic_dir.checkpoints)
+        saved = read_state(checkpoint)["rollout_id"] if checkpoint else -1
+        ledger = critic_dir.ledger()
+        ledger.forget_after(saved)
+        model = self.config.critic.model_path or self.initial_model
+        group = start_worker_group(
+            self.config.critic_view(), CriticActor, str(model), str(checkpoint) if checkpoint else None
+        )
+        try:
+            for rollout_id in sorted(i for i in self.run_dir.ledger().trained if i > saved):
+                table, _ = self.iterations.executor.get(rollout_id, trainer_version=trained_version(rollout_id - 1))
+                self._record_critic(ledger, rollout_id, group.call(CriticActor.train, rollout_id, table))
+        except BaseException:
+            group.kill()  # a group that failed its replay is not handed out: release its resources
+            raise
+        return group
+
+    @staticmethod
+    def _record_critic(ledger: Ledger, rollout_id: int, metrics: dict[str, float]) -> None:
+        if rollout_id not in ledger.trained:  # a retried train_critic was answered from the critic's record
+            ledger.record(rollout_id, metrics)
+
     def _push_replayed_weights(self, plan: ResumePlan) -> None:
         """The replayed rollouts moved the trainer past the checkpoint the engines started from."""
         if self.iterations.trainer_version != plan.saved_weight_version:
@@ -268,6 +305,8 @@ class RLRun:
                 f"(the next is {change.rollout_id})"
             )
         self.trainer.call(TrainActor.change_config, config)
+        if self.has_critic:
+            self.critic.call(CriticActor.change_config, config.critic_view())
         self.config = config
         self.iterations.change_config(config)
         self.run_dir.record_change(change.model_dump(mode="json"))
@@ -276,6 +315,8 @@ class RLRun:
         """Stop the engines and the trainer group, keeping the run: `start_again` brings them back."""
         self.controller.shutdown()
         self.trainer.release()
+        if self.has_critic:
+            self.critic.release()
 
     def start_again(self) -> None:
         """After `release`, at a boundary where the trained weights are saved: the engines start on them; the trainer
@@ -292,6 +333,25 @@ class RLRun:
     def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
         return self.iterations.train(rollout_id, lambda: self.trainer.call(TrainActor.train, rollout_id, table))
 
+    def compute_values(self, rollout_id: int) -> None:
+        """The critic's values of the stored rollout's tokens, stored beside it (values_<id>.arrow) before `get`
+        estimates its advantages; a rollout whose values are stored keeps them (a retry, a resumed run)."""
+        store = self.iterations.store
+        if store.read_values(rollout_id) is not None:
+            return
+        table = store.read(rollout_id)
+        with self.iterations.timed(rollout_id, "values"):
+            values = self.critic.call(CriticActor.values, table)
+        store.write_values(rollout_id, table.column("sample_index").to_pylist(), values)
+
+    def train_critic(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
+        """The critic's optimizer steps on the rollout's returns, recorded in the critic's ledger (once per rollout)."""
+        with self.iterations.timed(rollout_id, "critic"):
+            metrics = self.critic.call(CriticActor.train, rollout_id, table)
+        self._record_critic(self.run_dir.critic().ledger(), rollout_id, metrics)
+        self.iterations.add_metrics(rollout_id, metrics)
+        return metrics
+
     def should_sync(self, rollout_id: int) -> bool:
         return self.iterations.should_sync(rollout_id)
 
@@ -306,6 +366,9 @@ class RLRun:
         return self.iterations.should_save(rollout_id)
 
     def save_checkpoint(self, rollout_id: int) -> str:
+        """The policy's checkpoint of `rollout_id`, and the critic's (first, in its own directory) with one."""
+        if self.has_critic:
+            self.critic.call(CriticActor.save_checkpoint, rollout_id, {"seed": self.config.seed})
         return self.trainer.call(TrainActor.save_checkpoint, rollout_id, self.iterations.checkpoint_state(rollout_id))
 
     def finish_iteration(self, rollout_id: int) -> dict[str, Any]:

@@ -76,6 +76,10 @@ class RunDir:
     def adapter(self, name: str) -> RunDir:
         return RunDir(self.adapters_path / name)
 
+    def critic(self) -> RunDir:
+        """The critic's own checkpoints and ledger (algo.advantage_estimator=gae)."""
+        return RunDir(self.path / "critic")
+
     def create(self) -> RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         return self

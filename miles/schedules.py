@@ -64,6 +64,8 @@ class Steps:
     generate: Step
     get: Step
     train_step: Step
+    compute_values: Step
+    train_critic: Step
     sync_weights: Step
     save_checkpoint: Step
     push_adapter: Step
@@ -72,16 +74,32 @@ class Steps:
 
 
 def sync_iteration(run: RLRun, steps: Steps, rollout_id: int) -> None:
-    """One iteration of the rl-sync graph: evaluate (when due) -> generate -> get -> train -> sync -> save."""
+    """One iteration of the rl-sync graph: evaluate (when due) -> generate -> get -> train -> sync -> save; with a
+    critic, generate -> compute_values -> get (GAE) -> train -> train_critic."""
     if run.should_evaluate(rollout_id):
         steps.evaluate(run, rollout_id)
     steps.generate(run, rollout_id)
-    table = steps.get(run, rollout_id)
-    steps.train_step(run, rollout_id, table)
+    train(run, steps, rollout_id, handed_over(run, steps, rollout_id, []))
     if run.should_sync(rollout_id):
         steps.sync_weights(run, rollout_id)
     if run.should_save(rollout_id):
         steps.save_checkpoint(run, rollout_id)
+
+
+def handed_over(run: RLRun, steps: Steps, rollout_id: int, generated: list) -> Any:
+    """The rollout's table from `get` once its generation (`generated`: its future, if any) is done; with a critic
+    (algo.advantage_estimator=gae) the critic's values of its tokens come first, since GAE needs them."""
+    if run.has_critic:
+        steps.compute_values(run, rollout_id, wait_for=generated)
+        generated = []
+    return steps.get(run, rollout_id, wait_for=generated)
+
+
+def train(run: RLRun, steps: Steps, rollout_id: int, table: Any) -> None:
+    """The policy's optimizer steps on the rollout, then the critic's (with one)."""
+    steps.train_step(run, rollout_id, table)
+    if run.has_critic:
+        steps.train_critic(run, rollout_id, table)
 
 
 def sync(run: RLRun, steps: Steps) -> Iterator[int]:
@@ -140,10 +158,10 @@ def _generating_ahead(run: RLRun, steps: Steps, window: int, pushes_wait_for_gen
 
     fill(rollout_id)
     while rollout_id in run.rollout_ids():
-        table = steps.get(run, rollout_id, wait_for=[in_flight.pop(rollout_id)])
+        table = handed_over(run, steps, rollout_id, [in_flight.pop(rollout_id)])
         if steps.control.requested() is None:
             fill(rollout_id + 1)
-        steps.train_step(run, rollout_id, table)
+        train(run, steps, rollout_id, table)
         if run.should_sync(rollout_id):
             generations = list(in_flight.values()) if pushes_wait_for_generations else []
             steps.sync_weights(run, rollout_id, wait_for=[*generations, *([evaluation] if evaluation else [])])

@@ -3,6 +3,7 @@ flow graph's schedule (miles.schedules) runs."""
 
 from miles.schedules import Steps
 from tasks.checkpoint import save_checkpoint
+from tasks.critic import compute_values, train_critic
 from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.get import get
@@ -14,6 +15,8 @@ STEPS = Steps(
     generate=generate,
     get=get,
     train_step=train_step,
+    compute_values=compute_values,
+    train_critic=train_critic,
     sync_weights=sync_weights,
     save_checkpoint=save_checkpoint,
     push_adapter=push_adapter,
@@ -25,6 +28,8 @@ __all__ = [
     "generate",
     "get",
     "train_step",
+    "compute_values",
+    "train_critic",
     "sync_weights",
     "push_adapter",
     "retire_adapter",

@@ -27,6 +27,8 @@ from miles.rollout.store import DamagedRollout, RolloutStore
 from miles.seeds import rollout_seed
 from miles.train.algorithms import resolve_algorithm
 from miles.train.algorithms.dapo import equal_score_groups, overlong_penalty
+from miles.train.algorithms.value import gae, whiten
+from miles.train.batch import RETURNS, TOKEN_ADVANTAGES, VALUES
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +237,12 @@ class RolloutExecutor:
             filtered_groups = len(np.unique(groups[equal & ~keep_rows]))
             table, staleness = table.filter(pa.array(keep_rows)), staleness[keep_rows]
             scores, groups, equal = scores[torch.from_numpy(keep_rows)], groups[keep_rows], equal[keep_rows]
-        advantages = self.advantage_estimator(scores, torch.from_numpy(groups), torch.from_numpy(trained_tokens(table)))
+        if self.config.algo.uses_critic:
+            advantages = torch.zeros_like(scores)  # per token, after the workers' shares are known (below)
+        else:
+            advantages = self.advantage_estimator(
+                scores, torch.from_numpy(groups), torch.from_numpy(trained_tokens(table))
+            )
         if advantages.shape != scores.shape:
             raise ValueError(
                 f"algo.advantage_estimator {self.config.algo.advantage_estimator!r} returned shape "
@@ -246,7 +253,10 @@ class RolloutExecutor:
             ROLLOUT_SCHEMA.field("advantage"),
             pa.array(advantages.numpy().astype(np.float32)),
         )
-        uneven = uneven_groups(groups, self.config.train.num_workers)
+        workers = self.config.train.num_workers
+        if self.config.algo.uses_critic:
+            workers = math.lcm(workers, self.config.critic.num_workers)
+        uneven = uneven_groups(groups, workers)
         keep_rows = ~np.isin(groups, uneven)
         table, staleness, groups, equal = (
             table.filter(pa.array(keep_rows)),
@@ -254,6 +264,8 @@ class RolloutExecutor:
             groups[keep_rows],
             equal[keep_rows],
         )
+        if self.config.algo.uses_critic:
+            table = self._with_gae(rollout_id, table, scores[torch.from_numpy(keep_rows)])
         stats = {
             "staleness_mean": float(staleness.mean()),
             **_token_staleness(table, trainer_version),
@@ -267,6 +279,59 @@ class RolloutExecutor:
             "zero_advantage_groups": len(np.unique(groups[equal])),
         }
         return table, stats
+
+    def _with_gae(self, rollout_id: int, table: pa.Table, scores: torch.Tensor) -> pa.Table:
+        """The rollout with PPO's advantages: GAE (miles.train.algorithms.value) over each sample's trained tokens,
+        on the critic's stored values and the score as the reward of the last trained token, whitened over the
+        rollout's trained tokens (as verl does); the columns `token_advantages`, `values` and `returns` (the critic's
+        targets), and as the sample's `advantage` that of its first trained token."""
+        stored = self.store.read_values(rollout_id)
+        if stored is None:
+            raise RuntimeError(
+                f"rollout {rollout_id}: the critic's values are not stored ({self.store.values_path(rollout_id)}); "
+                "compute_values runs before get"
+            )
+        row_of = {int(s): row for row, s in enumerate(stored.column("sample_index").to_numpy())}
+        samples = table.column("sample_index").to_numpy()
+        missing = [int(s) for s in samples if int(s) not in row_of]
+        if missing:
+            raise ValueError(f"{self.store.values_path(rollout_id)} has no values of samples {missing[:5]}")
+        values = stored.column("values").take(pa.array([row_of[int(s)] for s in samples])).combine_chunks()
+        lengths = table.column("response_length").to_numpy().astype(np.int64)
+        if not np.array_equal(np.diff(values.offsets.to_numpy()), lengths):
+            raise ValueError(f"{self.store.values_path(rollout_id)}: a sample's values do not match its response")
+        mask_lists = table.column("loss_mask").combine_chunks()
+        width = int(lengths.max()) if len(lengths) else 0
+        at = _grid_positions(lengths, width)
+        mask = torch.zeros(len(lengths) * width, dtype=torch.float64)
+        mask[at] = torch.from_numpy(mask_lists.values.to_numpy(zero_copy_only=False).astype(np.float64))
+        mask = mask.view(len(lengths), width)
+        value_grid = torch.zeros(len(lengths) * width, dtype=torch.float64)
+        value_grid[at] = torch.from_numpy(values.values.to_numpy(zero_copy_only=False).astype(np.float64))
+        value_grid = value_grid.view(len(lengths), width)
+        columns = torch.arange(width).expand_as(mask)
+        last_trained = torch.where(mask > 0, columns, -1).max(dim=1).values
+        rewards = torch.zeros_like(mask)
+        scored = last_trained >= 0
+        rewards[scored, last_trained[scored]] = scores[scored]
+        algo = self.config.algo
+        advantages, returns = gae(rewards, value_grid, mask, algo.gamma, algo.lam)
+        advantages = whiten(advantages, mask)
+        first_trained = torch.where(mask > 0, columns, width).min(dim=1).values.clamp(max=max(width - 1, 0))
+        per_sample = advantages.gather(1, first_trained.unsqueeze(1)).squeeze(1) if width else advantages[:, 0]
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+        def as_lists(grid: torch.Tensor) -> pa.ListArray:
+            return pa.ListArray.from_arrays(offsets, pa.array(grid.reshape(-1)[at].numpy().astype(np.float32)))
+
+        table = table.set_column(
+            table.schema.get_field_index("advantage"),
+            ROLLOUT_SCHEMA.field("advantage"),
+            pa.array(per_sample.numpy().astype(np.float32)),
+        )
+        for name, grid in ((TOKEN_ADVANTAGES, advantages), (VALUES, value_grid), (RETURNS, returns)):
+            table = table.append_column(pa.field(name, pa.list_(pa.float32())), as_lists(grid))
+        return table
 
     def _dynamic_sampling_groups(self, groups: np.ndarray, equal: np.ndarray) -> np.ndarray:
         """The groups dynamic sampling keeps: the first rollout_batch_size with differing scores, topped up with
@@ -331,6 +396,13 @@ def uneven_groups(groups: np.ndarray, workers: int) -> np.ndarray:
             if key not in best or total + size < best[key][0]:
                 best[key] = (total + size, (*chosen, group))
     return np.array(sorted(best[excess][1]), dtype=groups.dtype)
+
+
+def _grid_positions(lengths: np.ndarray, width: int) -> torch.Tensor:
+    """The flat index into a [rows, width] grid of each list element, row i's list from column 0."""
+    starts = np.repeat(np.arange(len(lengths)) * width, lengths)
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return torch.from_numpy(starts + within)
 
 
 def trained_tokens(table: pa.Table) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Arrow IPC files per rollout (rollout_<id>.arrow) in one directory, written atomically, read memory-mapped."""
+"""Arrow IPC files per rollout (rollout_<id>.arrow) in one directory, written atomically, read memory-mapped; beside
+each, with a critic (algo.advantage_estimator=gae), the critic's values of its tokens (values_<id>.arrow)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import pyarrow as pa
 from miles.atomic import atomic_file
 from miles.rollout.schema import check_schema, upgraded
 
+VALUES_SCHEMA = pa.schema([("sample_index", pa.int64()), ("values", pa.list_(pa.float32()))])
+
 
 class RolloutStore:
     def __init__(self, root: Path):
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         # A process killed while writing leaves its temp file (never a partial rollout file): clear them.
-        for unfinished in self.root.glob(".rollout_*"):
+        for unfinished in [*self.root.glob(".rollout_*"), *self.root.glob(".values_*")]:
             unfinished.unlink()
 
     def path(self, rollout_id: int) -> Path:
@@ -46,6 +49,24 @@ class RolloutStore:
             raise DamagedRollout(f"{path} is damaged: {exc}") from None
         return table
 
+    def values_path(self, rollout_id: int) -> Path:
+        return self.root / f"values_{rollout_id}.arrow"
+
+    def write_values(self, rollout_id: int, sample_index: list[int], values: list[list[float]]) -> None:
+        """The critic's values of each sample's response tokens, as estimated before the rollout was trained on."""
+        table = pa.table([pa.array(sample_index, pa.int64()), pa.array(values, pa.list_(pa.float32()))], VALUES_SCHEMA)
+        with atomic_file(self.values_path(rollout_id)) as sink:
+            with pa.ipc.new_file(sink, VALUES_SCHEMA) as writer:
+                writer.write_table(table)
+
+    def read_values(self, rollout_id: int) -> pa.Table | None:
+        """The stored values of the rollout; None when they were never computed."""
+        path = self.values_path(rollout_id)
+        if not path.exists():
+            return None
+        with pa.memory_map(str(path), "r") as source:
+            return pa.ipc.open_file(source).read_all()
+
     def intact(self, rollout_id: int) -> bool:
         """Whether the rollout is stored and reads as one."""
         try:
@@ -61,6 +82,7 @@ class RolloutStore:
         number = len(list(aside.glob(f"rollout_{rollout_id}.*")))
         target = aside / f"rollout_{rollout_id}.{why}.{number}.arrow"
         self.path(rollout_id).rename(target)
+        self.values_path(rollout_id).unlink(missing_ok=True)  # the critic's values of the rollout set aside
         return target
 
 

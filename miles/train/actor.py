@@ -77,7 +77,7 @@ class TrainActor:
         if checkpoint:
             load_optimizer(self.model, self.optimizer, Path(checkpoint))  # with the master weights, where saved
         self.ref_model = None
-        if config.algo.needs_reference:
+        if config.algo.needs_reference and self.holds_reference:
             # The reference is the run's starting policy, not the checkpoint it resumed from.
             self.ref_model = self._load(Path(model_dir)).eval()
             self.ref_model.requires_grad_(False)
@@ -87,9 +87,14 @@ class TrainActor:
         self._weight_group = Membership()  # rank 0's place in the weight-update group it broadcasts over
         self._payload_weights: list[dict[str, torch.Tensor]] = []  # what the last weight_payloads point to
 
+    holds_reference = True  # the starting policy, for the KL terms (the critic holds none)
+
+    def _from_pretrained(self, source: Path) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+
     def _load(self, source: Path) -> torch.nn.Module:
         train = self.config.train
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        model = self._from_pretrained(source)
         if train.gradient_checkpointing:
             model.config.use_cache = False  # no KV cache while training: it would keep what checkpointing frees
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -113,6 +118,9 @@ class TrainActor:
             return self.trained[rollout_id]
         torch.manual_seed(train_seed(self.config.seed, rollout_id, self.rank))
         config = with_kl_reward_coef(self.config.at(rollout_id), self.trained, rollout_id)
+        if config.algo.uses_critic and rollout_id < config.critic.warmup_rollouts:
+            self.trained[rollout_id] = {"critic_warmup": 1.0}  # the policy waits for a critic worth its advantages
+            return self.trained[rollout_id]
         set_lr(self.optimizer, config.train.lr)
         reference = None
         if self.ref_model is not None:
@@ -250,8 +258,9 @@ class TrainActor:
             (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         config = copy.deepcopy(self.model.config)
         config.dtype = dtype
+        config.architectures = [type(self.model).__name__.removeprefix("FSDP")]  # the class, not the sharding's
         config.save_pretrained(directory)
-        if self.model.generation_config is not None:
+        if getattr(self.model, "generation_config", None) is not None:  # a value model has none
             self.model.generation_config.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
 

@@ -2,46 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+# The columns `get` adds to a rollout with algo.advantage_estimator=gae, one entry per response token.
+TOKEN_ADVANTAGES, VALUES, RETURNS = "token_advantages", "values", "returns"
+
 
 @dataclass
 class TrainBatch:
-    """Right-padded sequences (prompt then response); per-token fields live at the response token's position."""
+    """Right-padded sequences (prompt then response); per-token fields live at the response token's position. The
+    critic's fields (`token_advantages`, `old_values`, `returns`) are there when the table has their columns
+    (algo.advantage_estimator=gae)."""
 
     tokens: torch.Tensor  # [B, T] int64
     attention_mask: torch.Tensor  # [B, T] int64
     response_mask: torch.Tensor  # [B, T] bool: a trained response token sits here
     rollout_logprobs: torch.Tensor  # [B, T] float32
     advantages: torch.Tensor  # [B] float32
+    token_advantages: torch.Tensor | None = None  # [B, T] float32: GAE's, whitened
+    old_values: torch.Tensor | None = None  # [B, T] float32: the critic's when the advantages were estimated
+    returns: torch.Tensor | None = None  # [B, T] float32: the critic's targets
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def _map(self, per_row, per_token) -> TrainBatch:
+        """A batch of each field transformed: `per_row` on [B] fields, `per_token` on [B, T] ones; None stays None."""
+        values = {}
+        for field in fields(self):
+            tensor = getattr(self, field.name)
+            values[field.name] = None if tensor is None else (per_row if tensor.dim() == 1 else per_token)(tensor)
+        return TrainBatch(**values)
+
     def rows(self, index: slice | torch.Tensor) -> TrainBatch:
-        return TrainBatch(
-            *(
-                t[index]
-                for t in (self.tokens, self.attention_mask, self.response_mask, self.rollout_logprobs, self.advantages)
-            )
-        )
+        return self._map(lambda t: t[index], lambda t: t[index])
 
     def trimmed(self) -> TrainBatch:
         """Without the trailing columns no row reaches (right padding): a micro-batch of short samples costs what
         its own longest sample does, not what the rollout's does. Causal attention leaves every real token's
         logits as they were."""
         width = int(self.attention_mask.any(dim=0).nonzero().max()) + 1 if self.attention_mask.any() else 1
-        return TrainBatch(
-            self.tokens[:, :width],
-            self.attention_mask[:, :width],
-            self.response_mask[:, :width],
-            self.rollout_logprobs[:, :width],
-            self.advantages,
-        )
+        return self._map(lambda t: t, lambda t: t[:, :width])
 
     def lengths(self) -> torch.Tensor:
         """Each row's length up to its last token (right padding): what a micro-batch holding it pads to."""
@@ -132,6 +137,15 @@ def batch_from_table(table: pa.Table, pad_token_id: int) -> TrainBatch:
     tokens.reshape(-1)[response_at] = r_val[r_off[0] : r_off[-1]]
     attention = _placed(rows, width, prompt_at, 1, 0, np.int64)
     attention.reshape(-1)[response_at] = 1
+
+    def per_token(name: str) -> torch.Tensor | None:
+        if name not in table.column_names:
+            return None
+        offsets, values = _list_view(table.column(name))
+        if not np.array_equal(np.diff(offsets), response_len):
+            raise ValueError(f"rollout table: {name} must hold one entry per response token")
+        return torch.from_numpy(_placed(rows, width, response_at, values[offsets[0] : offsets[-1]], 0.0, np.float32))
+
     return TrainBatch(
         tokens=torch.from_numpy(tokens),
         attention_mask=torch.from_numpy(attention),
@@ -142,4 +156,7 @@ def batch_from_table(table: pa.Table, pad_token_id: int) -> TrainBatch:
             _placed(rows, width, response_at, l_val[l_off[0] : l_off[-1]], 0.0, np.float32)
         ),
         advantages=torch.from_numpy(table.column("advantage").to_numpy().astype(np.float32)),
+        token_advantages=per_token(TOKEN_ADVANTAGES),
+        old_values=per_token(VALUES),
+        returns=per_token(RETURNS),
     )

@@ -19,6 +19,7 @@ from miles.train.algorithms import Algorithm
 from miles.train.algorithms.aggregation import LossScale
 from miles.train.algorithms.kl import adaptive_kl_coef
 from miles.train.algorithms.off_policy import importance_weights, kept_by_rejection
+from miles.train.algorithms.value import gae
 from miles.train.batch import TrainBatch, batch_from_table, micro_batches, split_to
 from miles.train.logprobs import token_stats
 
@@ -71,16 +72,21 @@ def token_advantages(
     old_logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each sample's advantage on each of its tokens ([B, T]), and the per-token KL penalty (None without
-    kl_in_reward). With `algo.kl_in_reward` every token also earns the
-    reward -kl_reward_coef * KL_t (old policy vs reference), and its advantage gains that penalty's return to go,
-    sum over t' >= t, undiscounted and unnormalised (the REINFORCE return of a per-token reward, as in Ouyang et al.
-    2022, arXiv:2203.02155, eq. 2, and REINFORCE++); the estimator's outcome advantage is left as it is."""
-    per_token = advantages.unsqueeze(1).expand_as(mask)
+    """Each token's advantage ([B, T]): `advantages` as they are when given per token (GAE's, estimated at `get`),
+    else each sample's on each of its tokens; and the per-token KL penalty (None without kl_in_reward).
+
+    With `algo.kl_in_reward` every token also earns the reward -kl_reward_coef * KL_t (old policy vs reference), and
+    its advantage gains that penalty's return to go, sum over t' >= t of (gamma lam)^(t'-t) -kl_reward_coef KL_t'
+    (gamma = lam = 1 without a critic: the REINFORCE return of a per-token reward, as in Ouyang et al. 2022,
+    arXiv:2203.02155, eq. 2, and REINFORCE++). GAE is linear in the rewards, so with a critic this is the penalty's
+    part of GAE, with no baseline: the critic learns the outcome reward's value."""
+    per_token = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand_as(mask)
     if not algo.kl_in_reward:
         return per_token, None
     penalty = algorithm.kl_estimator(old_logprobs, ref_logprobs).detach() * mask
-    return per_token - algo.kl_reward_coef * penalty.flip(1).cumsum(1).flip(1), penalty
+    gamma, lam = (algo.gamma, algo.lam) if algo.uses_critic else (1.0, 1.0)
+    penalty_to_go, _ = gae(penalty, torch.zeros_like(penalty), mask, gamma, lam)
+    return per_token - algo.kl_reward_coef * penalty_to_go, penalty
 
 
 def with_kl_reward_coef(config: RunConfig, trained: dict[int, dict[str, float]], rollout_id: int) -> RunConfig:
@@ -106,7 +112,7 @@ def rank_rows(token_counts: torch.Tensor, world: int) -> list[torch.Tensor]:
     return [torch.sort(order[owner == rank]).values for rank in range(world)]
 
 
-def _all_reduce_sum(values: list[float]) -> list[float]:
+def all_reduce_sum(values: list[float]) -> list[float]:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return values
     total = torch.tensor(values, dtype=torch.float64)
@@ -280,7 +286,7 @@ def optimizer_step(
     gradient clip and the step. Returns the step's loss and gradient norm."""
     algo = config.algo
     mask_all = batch.response_mask
-    step_tokens, step_sequences = _all_reduce_sum([float(mask_all[step_rows].sum()), float(len(mask_all[step_rows]))])
+    step_tokens, step_sequences = all_reduce_sum([float(mask_all[step_rows].sum()), float(len(mask_all[step_rows]))])
     scale = LossScale(
         tokens=max(step_tokens, 1.0), sequences=int(step_sequences), horizon=config.rollout.max_model_tokens
     )
@@ -302,8 +308,9 @@ def optimizer_step(
         if first_pass and step_rows.start == 0:
             logprobs.fill_old(rows, logp)
         reference = logprobs.reference[rows] if logprobs.reference is not None else None
+        sample_or_token = mb.advantages if mb.token_advantages is None else mb.token_advantages
         advantages, penalty = token_advantages(
-            mb.advantages.to(device), mask, algo, algorithm, logprobs.old_policy(rows), reference
+            sample_or_token.to(device), mask, algo, algorithm, logprobs.old_policy(rows), reference
         )
         if penalty is not None:
             sums["kl_in_reward"] += float(penalty.sum())
@@ -396,7 +403,7 @@ def rollout_metrics(
     if algo.rejection_level != "off":
         kept = kept_by_rejection(logprobs.old[measured], logprobs.rollout[measured], mask_f, algo)
         local["rejected"] = float((~kept * mask_f).sum())
-    total = dict(zip(local, _all_reduce_sum(list(local.values())), strict=True))
+    total = dict(zip(local, all_reduce_sum(list(local.values())), strict=True))
     tokens = max(total["tokens"], 1.0)
     measured_tokens = max(total["measured_tokens"], 1.0)
     metrics = {

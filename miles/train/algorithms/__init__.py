@@ -24,7 +24,8 @@ BUILTINS: dict[str, dict[str, str]] = {
             "gpg",
             "opo",
         )
-    },
+    }
+    | {"gae": f"{_HERE}.value:gae"},  # over tokens, with the critic's values: the rollout executor's own path
     "policy_loss": {
         name: f"{_HERE}.policy_losses:{name}"
         for name in ("ppo_clip", "gspo", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov")

@@ -554,3 +554,30 @@ def test_rollouts_generated_ahead_take_consecutive_prompts_in_any_order():
     assert [order.start_of(k) for k in (2, 0, 1)] == [48, 40, 44]
     order.ends_at(3, 70)  # stored by an earlier start: its file says where it ended
     assert order.start_of(4) == 70 and order.start_of(5) == 74
+
+
+def test_gae_advantages_and_returns_over_the_trained_tokens_from_the_stored_values(tmp_path):
+    executor, store = _executor(tmp_path, 2, "algo.advantage_estimator=gae", "algo.gamma=0.5", "algo.lam=0.5")
+    table = _with_column(rollout_table(n=2), "loss_mask", [[1, 0, 1], [1, 1]])  # sample 0's middle token: the env's
+    store.write(0, table)  # rewards 0 and 1
+    with pytest.raises(RuntimeError, match="compute_values runs before get"):
+        executor.get(0, trainer_version=0)
+    store.write_values(0, [0, 1], [[0.5, 9.0, 0.2], [0.4, 0.6]])
+
+    handed, _ = executor.get(0, trainer_version=0)
+
+    # gamma = lam = 0.5; the env token is skipped: sample 0's first token looks ahead to its third.
+    # sample 0: d2 = 0 - 0.2 = -0.2, A2 = -0.2; d0 = 0.5 * 0.2 - 0.5 = -0.4, A0 = -0.4 + 0.25 * -0.2 = -0.45
+    # sample 1: d1 = 1 - 0.6 = 0.4, A1 = 0.4; d0 = 0.5 * 0.6 - 0.4 = -0.1, A0 = -0.1 + 0.25 * 0.4 = 0.0
+    # returns A + V: [0.05, -, 0], [0.4, 1.0]
+    returns = handed.column("returns").to_pylist()
+    np.testing.assert_allclose(returns[0], [0.05, 0.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(returns[1], [0.4, 1.0], atol=1e-6)
+    # whitened over the four trained tokens: mean -0.0625, unbiased variance 0.386875 / 3
+    std = math.sqrt(0.386875 / 3 + 1e-8)
+    advantages = handed.column("token_advantages").to_pylist()
+    np.testing.assert_allclose(advantages[0], [-0.3875 / std, 0.0, -0.1375 / std], rtol=1e-5)
+    np.testing.assert_allclose(advantages[1], [0.0625 / std, 0.4625 / std], rtol=1e-5)
+    np.testing.assert_allclose(handed.column("values").to_pylist()[0], [0.5, 9.0, 0.2], rtol=1e-6)
+    # a sample's own advantage is its first trained token's
+    np.testing.assert_allclose(handed.column("advantage").to_numpy(), [-0.3875 / std, 0.0625 / std], rtol=1e-5)

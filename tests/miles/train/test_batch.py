@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles.rollout.schema import ROLLOUT_SCHEMA
-from miles.train.batch import TrainBatch, batch_from_table, micro_batches, split_to
+from miles.train.batch import RETURNS, TrainBatch, batch_from_table, micro_batches, split_to
 
 PAD = 13
 
@@ -185,3 +185,17 @@ def test_micro_batches_are_split_to_the_count_the_other_ranks_need():
     assert split_to([slice(0, 2), slice(2, 4)], lengths, 2) == [slice(0, 2), slice(2, 4)]
     with pytest.raises(ValueError, match="2 rows cannot make 3 micro-batches"):
         split_to([slice(0, 1), slice(1, 2)], lengths[:2], 3)
+
+
+def test_the_critics_per_token_columns_sit_at_their_response_tokens_and_follow_the_rows():
+    returns = pa.array([[0.5, 1.5], [1.0, 2.0, 3.0, 4.0], [9.0]], pa.list_(pa.float32()))
+    table = rollout_table(SAMPLES).append_column(RETURNS, returns)
+    batch = batch_from_table(table, pad_token_id=PAD)
+    expected = [[0, 0, 0, 0.5, 1.5, 0], [0, 0, 1, 2, 3, 4], [0, 0, 0, 0, 0, 9]]
+    torch.testing.assert_close(batch.returns, torch.tensor(expected))
+    assert batch.old_values is None and batch.token_advantages is None
+    part = batch.rows(torch.tensor([2, 0])).trimmed()
+    torch.testing.assert_close(part.returns, torch.tensor([expected[2], expected[0]]))
+    short = table.drop_columns([RETURNS]).append_column(RETURNS, pa.array([[1.0], [1.0], [1.0]]))
+    with pytest.raises(ValueError, match="returns must hold one entry per response token"):
+        batch_from_table(short, pad_token_id=PAD)
