@@ -18,7 +18,7 @@ from miles.train.critic import CriticActor
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
 from tests.helpers.samples import make_requests, seeded, training_table
 
-GAE = ("algo.advantage_estimator=gae", "algo.use_tis=false")
+GAE = ("algo.advantage_estimator=gae",)
 
 
 def critic_weights(run_dir, rollout_id: int) -> dict:

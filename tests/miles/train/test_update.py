@@ -146,6 +146,20 @@ def test_kl_in_reward_adds_the_penalty_return_to_go():
     torch.testing.assert_close(penalty, torch.tensor([[0, 0.5, -1, 0], [0, -0.2, -0.5, 0]], dtype=torch.float64))
 
 
+def test_with_a_critic_the_penalty_is_discounted_by_gamma_lambda_onto_gaes_token_advantages():
+    overrides = ["algo.advantage_estimator=gae", "algo.gamma=0.5", "algo.lam=1.0", "algo.kl_in_reward=true"]
+    algo = load_config(None, [*overrides, "algo.kl_reward_coef=0.1", "algo.kl_estimator=k1"]).algo
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    old = torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, -0.3, -0.7, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[0.0, -1.5, -1.0, -0.5], [0.0, -0.1, -0.2, 0.0]], dtype=torch.float64)
+    gae_advantages = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    # k1 masked: [[0, 0.5, -1, 0], [0, -0.2, -0.5, 0]]; return to go discounted by 0.5:
+    # [[-, 0.5 + 0.5 * -1, -1, 0], [-, -0.2 + 0.5 * -0.5, -0.5, -]] = [[-, 0, -1, 0], [-, -0.45, -0.5, -]]
+    expected = torch.tensor([[0.0, 1.0, 2.1, 3.0], [0.0, 1.045, 1.05, 0.0]], dtype=torch.float64)
+    out, _ = token_advantages(gae_advantages, mask, algo, Algorithm.from_config(algo), old, ref)
+    torch.testing.assert_close(out * mask, expected * mask)
+
+
 def test_kl_penalty_leaves_advantages_alone_without_kl_in_reward():
     algo = load_config(None).algo
     mask = torch.ones(1, 3, dtype=torch.float64)
