@@ -29,6 +29,7 @@ def main() -> None:
     args = parse_args(parser, samples=16, repeats=1)
 
     data = DataConfig()
+    prompts = [f"{i % 100}+0=" for i in range(args.samples)]
     responses = [str(i % 200) for i in range(args.samples)]
     labels = [str(i % 100) for i in range(args.samples)]
     finished = [i % 7 != 0 for i in range(args.samples)]
@@ -36,7 +37,7 @@ def main() -> None:
     scorer = RewardScorer(exact_match, data.reward_timeout_s, data.reward_concurrency)
 
     def scored() -> list:
-        rewards, failures = scorer.score(responses, labels, finished)
+        rewards, failures = scorer.score(prompts, responses, labels, finished)
         assert not failures
         return rewards
 

@@ -122,8 +122,9 @@ class DataConfig(_Section):
     reward: str = Field(
         "exact_match",
         json_schema_extra=IMPORT_PATH,
-        description="exact_match, digit_match, math (math-verify), gsm8k, or an import path 'pkg.mod:name' of a "
-        "reward function (plain or async) or of an object with score_batch",
+        description="exact_match, digit_match, math (math-verify), gsm8k, judge (a generative judge: the judge "
+        "section), reward_model (the reward_model section), or an import path 'pkg.mod:name' of a reward function "
+        "(plain or async) or of an object with score_batch",
     )
     reward_timeout_s: float = Field(
         30.0, gt=0, description="a reward call slower than this fails its samples (stored as failed, not trained on)"
@@ -557,6 +558,45 @@ class TrainConfig(_Section):
         return self.num_workers > 1 or self.param_dtype != "float32"
 
 
+DEFAULT_JUDGE_TEMPLATE = (
+    "Question: {prompt}\nReference answer: {label}\nAnswer to judge: {response}\n"
+    "Is the answer to judge correct? Reply yes or no.\n"
+)
+
+
+class JudgeConfig(_Section):
+    """The generative judge (data.reward=judge): a model of its own, served by engines of its own (the rollout's
+    engine kind, device and dtype), asked for a verdict on each sample of a rollout round in one batch."""
+
+    model_path: str | None = Field(None, json_schema_extra=FILE_PATH, description="the judge: a Hugging Face causal LM")
+    num_engines: int = Field(1, gt=0, description="engines serving the judge")
+    prompt_template: str = Field(
+        DEFAULT_JUDGE_TEMPLATE, description="the judge's prompt: str.format fields {prompt}, {response} and {label}"
+    )
+    apply_chat_template: bool = Field(False, description="give the prompt as a user message in the judge's template")
+    system_prompt: str | None = Field(None, description="a system message before it (with apply_chat_template)")
+    verdict: str = Field(
+        "yes_no",
+        json_schema_extra=IMPORT_PATH,
+        description="how the judge's reply becomes a reward: yes_no (its first yes or no: 1 or 0), score (its first "
+        "number), same_answer (1 when the judge's own answer, stripped, is the response's), or 'pkg.mod:fn' "
+        "(reply, response, label) -> float or None; a reply it cannot read fails its sample",
+    )
+    max_new_tokens: int = Field(16, gt=0, description="the judge's reply, at most (greedy)")
+
+
+class RewardModelConfig(_Section):
+    """The reward model (data.reward=reward_model): a sequence-classification model's score of prompt + response, run
+    batched in a Ray actor of its own."""
+
+    model_path: str | None = Field(
+        None, json_schema_extra=FILE_PATH, description="a Hugging Face sequence-classification model of one label"
+    )
+    batch_size: int = Field(32, gt=0, description="samples per forward")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    num_threads: int = Field(2, gt=0, description="torch threads of the reward model's actor")
+
+
 class CriticConfig(_Section):
     """PPO's value model (algo.advantage_estimator=gae): a trainer group of its own beside the policy's, with the
     policy trainer's settings (device, sharding, dtype, batch sizes, passes) unless set here."""
@@ -767,6 +807,8 @@ class RunConfig(_Section):
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
     critic: CriticConfig = CriticConfig()
+    judge: JudgeConfig = JudgeConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
     logging: LoggingConfig = LoggingConfig()
     alerts: AlertsConfig = AlertsConfig()
     eval: EvalConfig = EvalConfig()
@@ -876,6 +918,9 @@ class RunConfig(_Section):
                 )
             if self.adapters:
                 raise ValueError("algo.advantage_estimator=gae trains a critic of the full model; adapters have none")
+        for reward, section in (("judge", self.judge), ("reward_model", self.reward_model)):
+            if reward in self.rewards_used and section.model_path is None:
+                raise ValueError(f"data.reward={reward} needs {reward}.model_path")
         names = [adapter.name for adapter in self.adapters]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
@@ -887,7 +932,15 @@ class RunConfig(_Section):
         """The Ray actors a run starts: its engines and its trainer workers (of each trainer group)."""
         groups = len({adapter.trainer_group for adapter in self.adapters}) or 1
         critic = self.critic.num_workers if self.algo.uses_critic else 0
-        return self.rollout.num_engines + groups * self.train.num_workers + critic
+        judges = self.judge.num_engines if "judge" in self.rewards_used else 0
+        reward_model = 1 if "reward_model" in self.rewards_used else 0
+        return self.rollout.num_engines + groups * self.train.num_workers + critic + judges + reward_model
+
+    @property
+    def rewards_used(self) -> set[str]:
+        """The rewards the run scores with: its data's, its eval data sets' and its adapters'."""
+        data = [self.data, *(self.eval.datasets or []), *(a.data for a in self.adapters)]
+        return {d.reward for d in data}
 
     def critic_view(self) -> RunConfig:
         """The run as the critic's trainer group sees it: critic.num_workers workers at critic.lr, with the policy

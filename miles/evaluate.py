@@ -52,7 +52,7 @@ def load_eval_sets(config: RunConfig) -> list[EvalSet]:
     sets = []
     for index, dataset in enumerate(config.eval_datasets):
         try:
-            rows, reward = load_rows(dataset), resolve_reward(dataset.reward)
+            rows, reward = load_rows(dataset), resolve_reward(dataset.reward, config)
         except ValueError as exc:
             raise ValueError(f"eval.datasets.{index} ({dataset.name}): {exc}") from None
         if not rows:

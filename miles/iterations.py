@@ -26,7 +26,7 @@ from miles.evaluate import EvalSet, Evaluation
 from miles.lineage import code_version, rollout_lineage
 from miles.plots import plot_eval_curve, plot_reward_curve
 from miles.resume import ResumePlan
-from miles.rewards import RewardFn
+from miles.rewards import RewardFn, close_rewards
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.rollout_executor import RolloutExecutor, summarize
 from miles.rollout.schema import rollout_metadata
@@ -323,4 +323,6 @@ class Iterations:
         return curves
 
     def close(self) -> None:
+        """Close the trackers, and stop what the rewards started (a judge's engines, a reward model's actor)."""
         self.trackers.close()
+        close_rewards(self.executor.client.scorer.reward, *(s.reward for s in self.evaluation.sets))

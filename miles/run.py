@@ -67,7 +67,9 @@ def check_inputs(config: RunConfig) -> PolicyInputs:
         Algorithm.from_config(config.algo)
         weight_transport(config.rollout, config.train)
         resolve_generate_fn(config)
-        return PolicyInputs(config, load_rows(config.data), resolve_reward(config.data.reward), load_eval_sets(config))
+        return PolicyInputs(
+            config, load_rows(config.data), resolve_reward(config.data.reward, config), load_eval_sets(config)
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -110,7 +110,7 @@ def check_full_model(root: Path, tokenizer) -> bool:
     engine = TorchEngine(str(model_dir), device=DEVICE)
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
     trainer = TrainActor(config, str(model_dir))
-    reward = resolve_reward("digit_match")
+    reward = resolve_reward("digit_match", config)
     ok = True
     for rollout_id in range(3):
         prompts, requests = _requests(tokenizer, 256, 8, 4, stop=True, seed=1000 * rollout_id)

@@ -34,12 +34,13 @@ class RewardScorer:
         self.batched = not callable(reward) and callable(getattr(reward, "score_batch", None))
 
     def score(
-        self, responses: list[str], labels: list[str], finished: list[bool]
+        self, prompts: list[str], responses: list[str], labels: list[str], finished: list[bool]
     ) -> tuple[list[float | None], list[Failure]]:
-        """Each sample's reward, None where it failed; and the failures (miles.concurrency runs the calls)."""
+        """Each sample's reward, None where it failed; and the failures (miles.concurrency runs the calls). A
+        per-sample reward sees the response, the label and whether it finished; a batched one the prompts too."""
         if self.batched:
             (outcome,) = call_each_within(
-                self.reward.score_batch, [(responses, labels, finished)], 1, self.timeout_s, "reward"
+                self.reward.score_batch, [(prompts, responses, labels, finished)], 1, self.timeout_s, "reward"
             )
             outcomes = self._batch_outcomes(outcome, len(responses))
         else:

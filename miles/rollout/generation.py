@@ -132,9 +132,11 @@ class GenerateClient:
             result.finish_reason == "stop" and bool(result.output_ids) and result.output_ids[-1] in self.stop_token_ids
         )
 
-    def score(self, responses: list[str], labels: list[str], finished: list[bool]) -> list[float | None]:
-        """`data.reward` of each response (None where it failed; the first failure is logged)."""
-        rewards, failures = self.scorer.score(responses, labels, finished)
+    def score(
+        self, prompts: list[str], responses: list[str], labels: list[str], finished: list[bool]
+    ) -> list[float | None]:
+        """`data.reward` of each response to its prompt (None where it failed; the first failure is logged)."""
+        rewards, failures = self.scorer.score(prompts, responses, labels, finished)
         if failures:
             index, why = failures[0]
             log.warning(
@@ -168,7 +170,8 @@ def single_turn(client: GenerateClient, samples: list[RolloutSample]) -> list[Sa
     ]
     results = client.generate(requests)
     finished = [client.stopped(r) for r in results]
-    rewards = client.score(client.decode([r.output_ids for r in results]), [s.row["label"] for s in samples], finished)
+    responses = client.decode([r.output_ids for r in results])
+    rewards = client.score(texts, responses, [s.row["label"] for s in samples], finished)
     return [
         SampleRecord.completion(text, ids, result, reward, done)
         for text, ids, result, reward, done in zip(texts, prompt_ids, results, rewards, finished, strict=True)

@@ -77,8 +77,10 @@ def test_sync_flow_learns_addition_on_two_trainer_workers(ray_session, prefect_a
         # RLOO's advantages have no std division: the default lr (set for GRPO) makes it unstable here (1e-3
         # collapses to reward 0, 5e-4 gains only +0.01); 3e-4 learns steadily.
         ["algo.advantage_estimator=rloo", "train.lr=3e-4"],
+        # PPO with a critic (GAE): no group baseline, the critic's values instead.
+        ["algo.advantage_estimator=gae"],
     ],
-    ids=["gspo", "rloo"],
+    ids=["gspo", "rloo", "gae"],
 )
 def test_sync_learns_addition_with(algorithm, ray_session, tmp_path, model_cache_env):
     from miles.loop import run_sync

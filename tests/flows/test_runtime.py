@@ -84,3 +84,7 @@ def test_a_deployment_can_restrict_paths_to_roots_and_ray_to_its_clusters(tmp_pa
         f"  data.path: /etc/passwd is outside the allowed roots {root}",
         "  ray_address: evil:1 is not one of 10.0.0.1:6379",
     ]
+    # the models behind a reward are places too
+    judged = load_config(None, ["data.reward=judge", "judge.model_path=/opt/judge"], run_dir=str(root / "c"))
+    with pytest.raises(PlaceNotAllowed, match="judge.model_path: /opt/judge is outside the allowed roots"):
+        check_allowed_places(judged, [str(root)], [], "deployment rl-sync/tiny")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from miles.config import load_config
 from miles.rewards import REWARDS, digit_match, exact_match, resolve_reward
+
+CONFIG = load_config(None)
 
 NOT_CALLABLE = 3
 
@@ -46,13 +49,13 @@ def test_digit_match_zero_without_eos_or_response():
 
 
 def test_resolve_by_name():
-    assert resolve_reward("exact_match") is exact_match
-    assert resolve_reward("digit_match") is digit_match
+    assert resolve_reward("exact_match", CONFIG) is exact_match
+    assert resolve_reward("digit_match", CONFIG) is digit_match
     assert set(REWARDS) >= {"exact_match", "digit_match"}
 
 
 def test_resolve_by_import_path():
-    fn = resolve_reward(f"{__name__}:constant_reward")
+    fn = resolve_reward(f"{__name__}:constant_reward", CONFIG)
     assert fn is constant_reward
     assert fn("1", "2", True) == 0.25
 
@@ -60,21 +63,21 @@ def test_resolve_by_import_path():
 def test_resolve_stdlib_import_path():
     import os.path
 
-    assert resolve_reward("os.path:join") is os.path.join
+    assert resolve_reward("os.path:join", CONFIG) is os.path.join
 
 
 def test_unknown_name_mentions_field():
     with pytest.raises(ValueError, match="data.reward") as info:
-        resolve_reward("no_such_reward")
+        resolve_reward("no_such_reward", CONFIG)
     assert "no_such_reward" in str(info.value)
 
 
 @pytest.mark.parametrize("name", ["miles_no_such_module_xyz:fn", f"{__name__}:no_such_function"])
 def test_unimportable_path_mentions_field(name):
     with pytest.raises(ValueError, match="data.reward"):
-        resolve_reward(name)
+        resolve_reward(name, CONFIG)
 
 
 def test_not_callable_mentions_field():
     with pytest.raises(ValueError, match="data.reward.*not callable"):
-        resolve_reward(f"{__name__}:NOT_CALLABLE")
+        resolve_reward(f"{__name__}:NOT_CALLABLE", CONFIG)

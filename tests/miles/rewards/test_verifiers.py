@@ -10,6 +10,7 @@ from decimal import Decimal
 import psutil
 import pytest
 
+from miles.config import load_config
 from miles.rewards import resolve_reward, verifiers
 from miles.rewards.scoring import RewardScorer
 from miles.rewards.verifiers import final_number, gsm8k_answer, math_answer
@@ -74,7 +75,7 @@ def _cpu_seconds_used_over(seconds: float) -> float:
 def test_a_math_check_past_its_bound_fails_and_leaves_nothing_running(monkeypatch):
     monkeypatch.setattr(verifiers, "MATH_VERIFY_TIMEOUT_S", 1)
     started = time.monotonic()
-    rewards, failures = RewardScorer(math_answer, 5, 1).score([POWER_TOWER], ["2"], [True])
+    rewards, failures = RewardScorer(math_answer, 5, 1).score(["p"], [POWER_TOWER], ["2"], [True])
     assert time.monotonic() - started < 4  # the check's bound stopped it, not the scorer's
     assert rewards == [None]
     assert failures == [
@@ -87,7 +88,7 @@ def test_a_stuck_math_check_holds_up_neither_the_others_nor_later_ones(monkeypat
     monkeypatch.setattr(verifiers, "MATH_VERIFY_TIMEOUT_S", 1)
     responses = [r"\boxed{1/2}", POWER_TOWER, r"\boxed{x^2+2x+1}", r"\boxed{3}", r"\boxed{\{1,2\}}"]
     labels = ["0.5", "2", "(x+1)^2", "2", r"\{2,1\}"]
-    rewards, failures = RewardScorer(math_answer, 5, 4).score(responses, labels, [True] * 5)
+    rewards, failures = RewardScorer(math_answer, 5, 4).score([""] * 5, responses, labels, [True] * 5)
     assert rewards == [1.0, None, 1.0, 0.0, 1.0]
     assert [index for index, _ in failures] == [1] and "MATH_VERIFY_TIMEOUT_S" in failures[0][1]
     assert math_answer(r"\boxed{1/2}", "0.5", True) == 1.0
@@ -129,4 +130,7 @@ def test_gsm8k_compares_final_numbers():
 
 
 def test_the_verifiers_are_built_in_rewards():
-    assert resolve_reward("math") is math_answer and resolve_reward("gsm8k") is gsm8k_answer
+    assert (
+        resolve_reward("math", load_config(None)) is math_answer
+        and resolve_reward("gsm8k", load_config(None)) is gsm8k_answer
+    )

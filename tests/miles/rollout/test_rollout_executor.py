@@ -239,7 +239,9 @@ def _generating_executor(tmp_path, controller, tokenizer, reward: str):
     rows = [{"prompt": f"{k}+1=", "label": label} for k, label in enumerate(LABELS)]
     store = RolloutStore(RunDir(tmp_path).rollouts)
     data = DataSource(rows, seed=0, shuffle=False)
-    return RolloutExecutor(config, controller, tokenizer, data, store, resolve_reward(config.data.reward)), store
+    return RolloutExecutor(
+        config, controller, tokenizer, data, store, resolve_reward(config.data.reward, config)
+    ), store
 
 
 def test_samples_whose_reward_fails_are_stored_as_failed(tmp_path, controller, tokenizer, caplog):
@@ -312,9 +314,9 @@ def test_a_reward_changed_in_place_is_another_scorer(tmp_path, monkeypatch):
     module.write_text("def score(response, label, finished):\n    return 0.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     config = load_config(None, ["data.reward=my_reward:score"])
-    before = scorer_identity(config, resolve_reward(config.data.reward))
+    before = scorer_identity(config, resolve_reward(config.data.reward, config))
     module.write_text("def score(response, label, finished):\n    return 1.0\n")
-    after = scorer_identity(config, resolve_reward(config.data.reward))
+    after = scorer_identity(config, resolve_reward(config.data.reward, config))
     assert before.startswith("data.reward=my_reward:score@") and after.startswith("data.reward=my_reward:score@")
     assert before != after
 
@@ -497,7 +499,7 @@ def _dynamic_executor(tmp_path, controller):
     store = RolloutStore(RunDir(tmp_path).rollouts)
     data = DataSource(rows, seed=0, shuffle=False)
     return RolloutExecutor(
-        config, controller, _DigitTokenizer(), data, store, resolve_reward(config.data.reward)
+        config, controller, _DigitTokenizer(), data, store, resolve_reward(config.data.reward, config)
     ), store
 
 
