@@ -152,6 +152,7 @@ def rollout_as_table(r: dict[str, np.ndarray]) -> pa.Table:
             pa.array(np.where(r["truncated"], 1, 0).astype(np.int8)), pa.array(["done", "max_new_tokens"])
         ),
         lists(r["response_offsets"], np.zeros(len(r["response_values"]), dtype=np.int32)),  # every token of version 0
+        pa.nulls(samples, pa.list_(pa.float32())),  # each reward at its sample's end
     ]
     table = pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)
     return with_rollout_metadata(table, rollout_id=0, algorithm="grpo")

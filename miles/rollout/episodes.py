@@ -55,6 +55,7 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    token_rewards: list[float] = field(default_factory=list)  # each contribution at the last model token before it
     reward: float = 0.0
     turns: int = 0
     weight_version: int | None = None
@@ -66,6 +67,7 @@ class _Episode:
         self.logprobs += result.logprobs
         self.mask += [1] * len(result.output_ids)
         self.versions += result.weight_versions
+        self.token_rewards += [0.0] * len(result.output_ids)
         self.turns += 1
         version = result.weight_version
         self.weight_version = version if self.weight_version is None else min(self.weight_version, version)
@@ -75,6 +77,14 @@ class _Episode:
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
         self.versions += [self.versions[-1]] * len(ids)  # a reply follows a model turn: its version
+        self.token_rewards += [0.0] * len(ids)
+
+    def credit(self, reward: float) -> None:
+        """Add a reward contribution to the episode's, at its last model token so far (the turn it rewards)."""
+        self.reward += reward
+        model_tokens = [i for i, trained in enumerate(self.mask) if trained]
+        if model_tokens:
+            self.token_rewards[model_tokens[-1]] += reward
 
     def fail(self, error: EnvFailed) -> None:
         self.end_reason, self.failure = error.reason, str(error)
@@ -93,6 +103,7 @@ class _Episode:
             num_turns=self.turns,
             end_reason=self.end_reason,
             weight_versions=self.versions,
+            token_rewards=None if failed else self.token_rewards,
         )
 
 
@@ -218,7 +229,7 @@ class EpisodeRunner:
             outcome = await self._call(threads, episode.env.step, turn, what=f"step() of turn {episode.turns}")
             if not isinstance(outcome, StepResult):
                 raise EnvFailed("env_error", f"step() returned {clip(repr(outcome))}, not a StepResult")
-            episode.reward += _finite(outcome.reward, "step()")
+            episode.credit(_finite(outcome.reward, "step()"))
             if outcome.done:
                 episode.end_reason = "done"
                 return
@@ -243,7 +254,7 @@ class EpisodeRunner:
             return
         try:
             extra = await self._call(threads, finish, episode.end_reason, what="finish()")
-            episode.reward += 0.0 if extra is None else _finite(extra, "finish()")
+            episode.credit(0.0 if extra is None else _finite(extra, "finish()"))
         except EnvFailed as error:
             episode.fail(error)
 

@@ -41,7 +41,8 @@ class SampleRecord:
     """What a generate function gives for one sample. `response_ids` is every token after the prompt; per token,
     `loss_mask` is 1 where the model generated it (trained on) and 0 where the environment did, and
     `rollout_logprobs` the engine's log-prob (0.0 where the mask is 0). `reward` is None when scoring failed
-    (`status` is then `failed`). `weight_versions` is each token's weight version (an environment's token takes
+    (`status` is then `failed`); `token_rewards`, where the generate function credits parts of it to tokens (an
+    episode's turns), is the reward at each response token, adding up to `reward`. `weight_versions` is each token's weight version (an environment's token takes
     the version of the model turn before it), `weight_version` the oldest of them; without `weight_versions`, every
     token is of `weight_version`."""
 
@@ -56,9 +57,14 @@ class SampleRecord:
     num_turns: int = 1
     end_reason: str = "done"  # miles.envs.base.END_REASONS
     weight_versions: list[int] | None = None
+    token_rewards: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
+        if self.token_rewards is not None and len(self.token_rewards) != n:
+            raise ValueError(
+                f"a sample record's token_rewards needs one entry per response token: {n} tokens, {len(self.token_rewards)} entries"
+            )
         if self.weight_versions is None:
             self.weight_versions = [self.weight_version] * n
         if len(self.rollout_logprobs) != n or len(self.loss_mask) != n or len(self.weight_versions) != n:

@@ -282,9 +282,10 @@ class RolloutExecutor:
 
     def _with_gae(self, rollout_id: int, table: pa.Table, scores: torch.Tensor) -> pa.Table:
         """The rollout with PPO's advantages: GAE (miles.train.algorithms.value) over each sample's trained tokens,
-        on the critic's stored values and the score as the reward of the last trained token, whitened over the
-        rollout's trained tokens (as verl does); the columns `token_advantages`, `values` and `returns` (the critic's
-        targets), and as the sample's `advantage` that of its first trained token."""
+        on the critic's stored values and the per-token rewards (a sample's `token_rewards` where it has them, the
+        rest of its score, e.g. the overlong penalty, at its last trained token), whitened over the rollout's trained
+        tokens (as verl does); the columns `token_advantages`, `values` and `returns` (the critic's targets), and as
+        the sample's `advantage` that of its first trained token."""
         stored = self.store.read_values(rollout_id)
         if stored is None:
             raise RuntimeError(
@@ -304,16 +305,20 @@ class RolloutExecutor:
         width = int(lengths.max()) if len(lengths) else 0
         at = _grid_positions(lengths, width)
         mask = torch.zeros(len(lengths) * width, dtype=torch.float64)
-        mask[at] = torch.from_numpy(mask_lists.values.to_numpy(zero_copy_only=False).astype(np.float64))
+        mask[at] = torch.from_numpy(_list_values(mask_lists))
         mask = mask.view(len(lengths), width)
         value_grid = torch.zeros(len(lengths) * width, dtype=torch.float64)
-        value_grid[at] = torch.from_numpy(values.values.to_numpy(zero_copy_only=False).astype(np.float64))
+        value_grid[at] = torch.from_numpy(_list_values(values))
         value_grid = value_grid.view(len(lengths), width)
         columns = torch.arange(width).expand_as(mask)
         last_trained = torch.where(mask > 0, columns, -1).max(dim=1).values
-        rewards = torch.zeros_like(mask)
+        credited = table.column("token_rewards").combine_chunks()
+        rewards = torch.zeros(len(lengths) * width, dtype=torch.float64)
+        rewards[_grid_positions(np.diff(credited.offsets.to_numpy()), width)] = torch.from_numpy(_list_values(credited))
+        rewards = rewards.view(len(lengths), width)
         scored = last_trained >= 0
-        rewards[scored, last_trained[scored]] = scores[scored]
+        rest = scores - rewards.sum(dim=1)
+        rewards[scored, last_trained[scored]] += rest[scored]
         algo = self.config.algo
         advantages, returns = gae(rewards, value_grid, mask, algo.gamma, algo.lam)
         advantages = whiten(advantages, mask)
@@ -396,6 +401,12 @@ def uneven_groups(groups: np.ndarray, workers: int) -> np.ndarray:
             if key not in best or total + size < best[key][0]:
                 best[key] = (total + size, (*chosen, group))
     return np.array(sorted(best[excess][1]), dtype=groups.dtype)
+
+
+def _list_values(lists: pa.ListArray) -> np.ndarray:
+    """The elements of a list array's own rows (a slice's, not the buffer behind it), as float64."""
+    offsets = lists.offsets.to_numpy()
+    return lists.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]].astype(np.float64)
 
 
 def _grid_positions(lengths: np.ndarray, width: int) -> torch.Tensor:

@@ -7,9 +7,13 @@ model's turns (loss_mask 1, with their log-probs) and the environment's replies 
 `num_turns` counts the model's turns, `end_reason` says why the sample ended (miles.envs.base.END_REASONS).
 `weight_versions` holds each response token's weight version: a weight push in the middle of a generation (the
 fully-async flow) changes it from the next token on; `weight_version` is the oldest of them.
+`token_rewards`, where the sample has them, is the reward credited at each response token (an environment's reward
+of a turn at that turn's last token: a process reward); they add up to `raw_reward`. Null: the whole reward at the
+last trained token (a completion scored at its end).
 
-Versions: 2 had no prompt text, 3 no num_turns or end_reason, 4 no weight_versions; their files are read, the
-missing columns filled (null prompt and end_reason, one turn, every token of the sample's weight_version).
+Versions: 2 had no prompt text, 3 no num_turns or end_reason, 4 no weight_versions, 5 no token_rewards; their files
+are read, the missing columns filled (null prompt, end_reason and token_rewards, one turn, every token of the
+sample's weight_version).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pyarrow as pa
 
 from miles.rollout.generation import SampleRecord
 
-SCHEMA_VERSION = "5"
+SCHEMA_VERSION = "6"
 STATUSES = ("completed", "truncated", "failed")
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -44,6 +48,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("num_turns", pa.int32(), nullable=False),
         pa.field("end_reason", pa.dictionary(pa.int8(), pa.string())),  # null in files of schema versions 2 and 3
         pa.field("weight_versions", pa.list_(pa.int32()), nullable=False),
+        pa.field("token_rewards", pa.list_(pa.float32())),  # null: the whole reward at the last trained token
     ],
     metadata={"schema_version": SCHEMA_VERSION},
 )
@@ -82,6 +87,7 @@ def records_table(
             "num_turns": pa.array([r.num_turns for r in records], pa.int32()),
             "end_reason": _dictionary([r.end_reason for r in records], "end_reason"),
             "weight_versions": pa.array([r.weight_versions for r in records], pa.list_(pa.int32())),
+            "token_rewards": pa.array([r.token_rewards for r in records], pa.list_(pa.float32())),
         },
         schema=ROLLOUT_SCHEMA,
     )
@@ -104,9 +110,9 @@ def rollout_metadata(table: pa.Table) -> dict[str, str]:
 def upgraded(table: pa.Table) -> pa.Table:
     """A table of an earlier schema version in today's: version 2 had no prompt text (null), versions 2 and 3 no
     num_turns (one turn) or end_reason (null), versions 2 to 4 no weight_versions (each token of its sample's
-    weight_version)."""
+    weight_version), versions 2 to 5 no token_rewards (null)."""
     version = rollout_metadata(table).get("schema_version")
-    if version not in ("2", "3", "4"):
+    if version not in ("2", "3", "4", "5"):
         return table
     rows = table.num_rows
     if "prompt" not in table.column_names:
@@ -123,6 +129,8 @@ def upgraded(table: pa.Table) -> pa.Table:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(versions, pa.int32()))
         table = table.append_column(ROLLOUT_SCHEMA.field("weight_versions"), column)
+    if "token_rewards" not in table.column_names:
+        table = table.append_column(ROLLOUT_SCHEMA.field("token_rewards"), pa.nulls(rows, pa.list_(pa.float32())))
     meta = dict(table.schema.metadata or {})
     meta[b"schema_version"] = SCHEMA_VERSION.encode()
     return table.replace_schema_metadata(meta)

@@ -80,6 +80,8 @@ def test_an_episodes_ids_are_the_engines_tokens_then_each_reply(tokenizer, tiny_
     )
     assert (record.num_turns, record.status, record.end_reason) == (3, "completed", "done")
     assert record.reward == 3.5  # three right answers and the bonus finish() gives a quiz seen to its end
+    # each answer's reward at its turn's last token, the finish() bonus at the last model token: a process reward
+    assert record.token_rewards == [0, 0, 1.0] + [0] * 4 + [0, 1.0] + [0] * 4 + [0, 1.5]
     # Each turn continues from the whole sequence so far, with a seed of its own.
     requests = [call[0] for call in client.calls]
     assert [r.prompt_ids for r in requests] == [

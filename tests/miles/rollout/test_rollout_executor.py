@@ -583,3 +583,21 @@ def test_gae_advantages_and_returns_over_the_trained_tokens_from_the_stored_valu
     np.testing.assert_allclose(handed.column("values").to_pylist()[0], [0.5, 9.0, 0.2], rtol=1e-6)
     # a sample's own advantage is its first trained token's
     np.testing.assert_allclose(handed.column("advantage").to_numpy(), [-0.3875 / std, 0.0625 / std], rtol=1e-5)
+
+
+def test_gae_credits_an_episodes_token_rewards_where_they_were_given(tmp_path):
+    """A process reward: sample 0's turn rewards (0.5 at its first token, 1.5 at its last) make its score 2; sample
+    1 has none, its score 1 at its last trained token."""
+    executor, store = _executor(tmp_path, 2, "algo.advantage_estimator=gae", "algo.gamma=0.5", "algo.lam=1.0")
+    table = _with_rewards(rollout_table(n=2), [2.0, 1.0])
+    table = _with_column(table, "token_rewards", [[0.5, 0.0, 1.5], None])
+    store.write(0, table)
+    store.write_values(0, [0, 1], [[0.0, 0.0, 0.0], [0.0, 0.0]])
+
+    handed, _ = executor.get(0, trainer_version=0)
+
+    # values 0, gamma 0.5, lambda 1: the return is the discounted reward to go
+    # sample 0: [0.5 + 0.5 * 0 + 0.25 * 1.5, 0 + 0.5 * 1.5, 1.5]; sample 1: [0.5 * 1, 1]
+    returns = handed.column("returns").to_pylist()
+    np.testing.assert_allclose(returns[0], [0.875, 0.75, 1.5], atol=1e-6)
+    np.testing.assert_allclose(returns[1], [0.5, 1.0], atol=1e-6)

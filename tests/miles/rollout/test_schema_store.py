@@ -47,15 +47,16 @@ def test_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "version, dropped",
     [
-        ("2", ["prompt", "num_turns", "end_reason", "weight_versions"]),
-        ("3", ["num_turns", "end_reason", "weight_versions"]),
-        ("4", ["weight_versions"]),
+        ("2", ["prompt", "num_turns", "end_reason", "weight_versions", "token_rewards"]),
+        ("3", ["num_turns", "end_reason", "weight_versions", "token_rewards"]),
+        ("4", ["weight_versions", "token_rewards"]),
+        ("5", ["token_rewards"]),
     ],
 )
 def test_a_rollout_of_an_earlier_schema_reads_with_its_missing_columns_filled(tmp_path, version, dropped):
-    """Version 2 had no prompt text, 2 and 3 no turn count or end reason, 2 to 4 no per-token weight versions: a run
-    directory from then resumes, each sample one turn, its prompt text and end reason unknown (null), each token of
-    its sample's weight version."""
+    """Version 2 had no prompt text, 2 and 3 no turn count or end reason, 2 to 4 no per-token weight versions, 2 to 5
+    no per-token rewards: a run directory from then resumes, each sample one turn, its prompt text and end reason
+    unknown (null), each token of its sample's weight version, its reward at its end (null token_rewards)."""
     store = RolloutStore(RunDir(tmp_path).rollouts)
     table = with_rollout_metadata(rollout_table(), rollout_id=5)
     old = table.drop_columns(dropped).replace_schema_metadata(
@@ -64,7 +65,8 @@ def test_a_rollout_of_an_earlier_schema_reads_with_its_missing_columns_filled(tm
     with pa.OSFile(str(store.path(5)), "wb") as sink, pa.ipc.new_file(sink, old.schema) as writer:
         writer.write_table(old)
     read = store.read(5)
-    assert rollout_metadata(read)["schema_version"] == SCHEMA_VERSION == "5"
+    assert rollout_metadata(read)["schema_version"] == SCHEMA_VERSION == "6"
+    assert read.column("token_rewards").to_pylist() == [None] * 3
     lengths = read.column("response_length").to_pylist()
     assert read.column("weight_versions").to_pylist() == [[5] * n for n in lengths]
     if "num_turns" in dropped:

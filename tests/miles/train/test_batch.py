@@ -53,6 +53,7 @@ def rollout_table(samples) -> pa.Table:
         "num_turns": [1] * n,
         "end_reason": ["done"] * n,
         "weight_versions": [[0] * len(s["response"]) for s in samples],
+        "token_rewards": [None] * n,
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

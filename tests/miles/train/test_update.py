@@ -70,6 +70,7 @@ def _one_token_rollout(advantage: float) -> pa.Table:
         "num_turns": [1],
         "end_reason": ["done"],
         "weight_versions": [[0]],
+        "token_rewards": [None],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
@@ -206,6 +207,7 @@ def _episode_table(tokenizer, response: str, mask: list[int], env_logprob: float
         "num_turns": [2, 1],
         "end_reason": ["done", "done"],
         "weight_versions": [[0] * len(ids), [0, 0]],
+        "token_rewards": [None, None],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
