@@ -153,6 +153,7 @@ def rollout_as_table(r: dict[str, np.ndarray]) -> pa.Table:
         ),
         lists(r["response_offsets"], np.zeros(len(r["response_values"]), dtype=np.int32)),  # every token of version 0
         pa.nulls(samples, pa.list_(pa.float32())),  # each reward at its sample's end
+        pa.nulls(samples, pa.float32()),  # no greedy baseline
     ]
     table = pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)
     return with_rollout_metadata(table, rollout_id=0, algorithm="grpo")

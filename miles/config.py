@@ -377,7 +377,8 @@ class AlgoConfig(_Section):
         "grpo",
         json_schema_extra=IMPORT_PATH,
         description="grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_sample, "
-        "reinforce_plus_plus_baseline, gpg, opo, gae (PPO's, with a critic: the critic section), or 'pkg.mod:fn'",
+        "reinforce_plus_plus_baseline, gpg, opo, remax (a greedy response per prompt as the baseline), gae (PPO's, "
+        "with a critic: the critic section), or 'pkg.mod:fn'",
     )
     gamma: float = Field(1.0, ge=0, le=1, description="gae: the discount per token")
     lam: float = Field(1.0, ge=0, le=1, description="gae: lambda, the bias/variance trade-off of the estimate")
@@ -483,6 +484,11 @@ class AlgoConfig(_Section):
     def uses_critic(self) -> bool:
         """Whether advantages come from a learned value function (GAE) rather than from the group's scores."""
         return self.advantage_estimator == "gae"
+
+    @property
+    def greedy_baseline(self) -> bool:
+        """Whether each prompt also gets a greedy response, whose reward is its samples' baseline (ReMax)."""
+        return self.advantage_estimator == "remax"
 
     @property
     def needs_reference(self) -> bool:

@@ -168,9 +168,18 @@ class RolloutExecutor:
             for k, row in enumerate(rows)
             for j in range(n)
         ]
+        # ReMax: a greedy response to each prompt, generated in the same batch; its reward is the prompt's baseline.
+        greedy_sampling = replace(sampling, temperature=0.0)
+        greedy = [
+            RolloutSample(row=row, seed=seed + k * n, sampling=greedy_sampling, adapter=self.adapter)
+            for k, row in enumerate(rows)
+            if self.config.algo.greedy_baseline
+        ]
         self.client.context = f"rollout {rollout_id}"
-        records = self.generate_fn(self.client, samples)
-        _check_records(records, len(samples), self.config.rollout.generate_fn)
+        records = self.generate_fn(self.client, samples + greedy)
+        _check_records(records, len(samples) + len(greedy), self.config.rollout.generate_fn)
+        records, greedy_records = records[: len(samples)], records[len(samples) :]
+        baselines = [r.reward for r in greedy_records for _ in range(n)] if greedy else None
         return records_table(
             records,
             rollout_id=rollout_id,
@@ -178,6 +187,7 @@ class RolloutExecutor:
             group_index=np.repeat(np.arange(slot * cfg.rollout_batch_size, (slot + 1) * cfg.rollout_batch_size), n),
             adapter=[self.adapter] * len(samples),
             label=[s.row["label"] for s in samples],
+            baseline_reward=baselines,
         )
 
     def _differing_groups(self, table: pa.Table) -> int:
@@ -239,6 +249,9 @@ class RolloutExecutor:
             scores, groups, equal = scores[torch.from_numpy(keep_rows)], groups[keep_rows], equal[keep_rows]
         if self.config.algo.uses_critic:
             advantages = torch.zeros_like(scores)  # per token, after the workers' shares are known (below)
+        elif self.config.algo.greedy_baseline:
+            baselines = table.column("baseline_reward").to_numpy(zero_copy_only=False).astype(np.float64)
+            advantages = self.advantage_estimator(scores, torch.from_numpy(baselines))
         else:
             advantages = self.advantage_estimator(
                 scores, torch.from_numpy(groups), torch.from_numpy(trained_tokens(table))

@@ -9,11 +9,13 @@ model's turns (loss_mask 1, with their log-probs) and the environment's replies 
 fully-async flow) changes it from the next token on; `weight_version` is the oldest of them.
 `token_rewards`, where the sample has them, is the reward credited at each response token (an environment's reward
 of a turn at that turn's last token: a process reward); they add up to `raw_reward`. Null: the whole reward at the
-last trained token (a completion scored at its end).
+last trained token (a completion scored at its end). `baseline_reward` is the reward of a greedy response to the
+sample's prompt, generated with the rollout for algo.advantage_estimator=remax (null otherwise, and where that
+reward failed).
 
-Versions: 2 had no prompt text, 3 no num_turns or end_reason, 4 no weight_versions, 5 no token_rewards; their files
-are read, the missing columns filled (null prompt, end_reason and token_rewards, one turn, every token of the
-sample's weight_version).
+Versions: 2 had no prompt text, 3 no num_turns or end_reason, 4 no weight_versions, 5 no token_rewards or
+baseline_reward; their files are read, the missing columns filled (null prompt, end_reason, token_rewards and
+baseline_reward, one turn, every token of the sample's weight_version).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("end_reason", pa.dictionary(pa.int8(), pa.string())),  # null in files of schema versions 2 and 3
         pa.field("weight_versions", pa.list_(pa.int32()), nullable=False),
         pa.field("token_rewards", pa.list_(pa.float32())),  # null: the whole reward at the last trained token
+        pa.field("baseline_reward", pa.float32()),  # the prompt's greedy response's reward (remax); else null
     ],
     metadata={"schema_version": SCHEMA_VERSION},
 )
@@ -63,9 +66,10 @@ def records_table(
     adapter: Sequence[str | None],
     label: Sequence[str | None],
     advantage: Sequence[float] | None = None,
+    baseline_reward: Sequence[float | None] | None = None,
 ) -> pa.Table:
     """The rollout table of produced samples, record i making row i, numbered from `first_index`. `advantage` is
-    left null when not given (`get` fills it)."""
+    left null when not given (`get` fills it), and so is `baseline_reward`."""
     count = len(records)
     return pa.Table.from_pydict(
         {
@@ -88,6 +92,9 @@ def records_table(
             "end_reason": _dictionary([r.end_reason for r in records], "end_reason"),
             "weight_versions": pa.array([r.weight_versions for r in records], pa.list_(pa.int32())),
             "token_rewards": pa.array([r.token_rewards for r in records], pa.list_(pa.float32())),
+            "baseline_reward": pa.nulls(count, pa.float32())
+            if baseline_reward is None
+            else pa.array(baseline_reward, pa.float32()),
         },
         schema=ROLLOUT_SCHEMA,
     )
@@ -131,6 +138,7 @@ def upgraded(table: pa.Table) -> pa.Table:
         table = table.append_column(ROLLOUT_SCHEMA.field("weight_versions"), column)
     if "token_rewards" not in table.column_names:
         table = table.append_column(ROLLOUT_SCHEMA.field("token_rewards"), pa.nulls(rows, pa.list_(pa.float32())))
+        table = table.append_column(ROLLOUT_SCHEMA.field("baseline_reward"), pa.nulls(rows, pa.float32()))
     meta = dict(table.schema.metadata or {})
     meta[b"schema_version"] = SCHEMA_VERSION.encode()
     return table.replace_schema_metadata(meta)

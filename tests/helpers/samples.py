@@ -74,6 +74,7 @@ def rollout_table(n: int = 3, rollout_id: int = 5) -> pa.Table:
         "end_reason": [("done", "max_new_tokens")[i % 2] for i in range(n)],
         "weight_versions": [[rollout_id] * (n - i + 1) for i in range(n)],
         "token_rewards": [None] * n,
+        "baseline_reward": [None] * n,
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

@@ -25,7 +25,8 @@ BUILTINS: dict[str, dict[str, str]] = {
             "opo",
         )
     }
-    | {"gae": f"{_HERE}.value:gae"},  # over tokens, with the critic's values: the rollout executor's own path
+    # Their own paths in the rollout executor: gae over tokens with the critic's values, remax with greedy baselines.
+    | {"gae": f"{_HERE}.value:gae", "remax": f"{_HERE}.advantages:remax"},
     "policy_loss": {
         name: f"{_HERE}.policy_losses:{name}"
         for name in ("ppo_clip", "gspo", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov")

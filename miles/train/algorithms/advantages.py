@@ -1,6 +1,7 @@
 """Advantage estimators: one score per sample in, one advantage per sample out.
 
-Signature (built-ins and `pkg.mod:fn` alike): `estimator(scores, groups, lengths) -> advantages`, all shape [N].
+Signature (built-ins and `pkg.mod:fn` alike): `estimator(scores, groups, lengths) -> advantages`, all shape [N];
+`remax` alone takes `(scores, baselines)`, the rewards of greedy responses generated with the rollout.
 `scores` are the samples' rewards after shaping (failed samples are already left out), float64; `groups` holds each
 sample's prompt group as any integer ids; `lengths` each sample's trained tokens (its loss mask's ones), float64.
 The trainer broadcasts each advantage over its sample's response tokens.
@@ -127,3 +128,13 @@ def opo(scores: torch.Tensor, groups: torch.Tensor, lengths: torch.Tensor) -> to
     weighted, _ = _group_means(lengths * scores, groups)
     total, _ = _group_means(lengths, groups)
     return torch.where(total > 0, scores - weighted / total.clamp(min=EPS), 0.0)
+
+
+def remax(scores: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - r(greedy response to the same prompt): the reward of the prompt's greedy response as the baseline.
+    Takes each sample's baseline (`baseline_reward`, generated with the rollout) in place of groups and lengths; a
+    sample whose baseline is NaN (its greedy response's reward failed) gets advantage 0.
+
+    Li et al. 2023, ReMax (arXiv:2310.10505), Algorithm 1. No normalisation.
+    """
+    return torch.where(torch.isnan(baselines), torch.zeros_like(scores), scores - baselines)

@@ -9,7 +9,8 @@ import pytest
 
 from miles.config import RolloutConfig, load_config
 from miles.data import DataSource
-from miles.rewards import resolve_reward
+from miles.engines.base import GenerateRequest, SamplingParams
+from miles.rewards import exact_match, resolve_reward
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.rollout_executor import (
     PromptOrder,
@@ -21,6 +22,7 @@ from miles.rollout.rollout_executor import (
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.rollout.store import DamagedRollout, RolloutStore
 from miles.run_dir import RunDir
+from miles.train.algorithms.advantages import remax
 from tests.helpers.samples import rollout_table
 
 
@@ -601,3 +603,41 @@ def test_gae_credits_an_episodes_token_rewards_where_they_were_given(tmp_path):
     returns = handed.column("returns").to_pylist()
     np.testing.assert_allclose(returns[0], [0.875, 0.75, 1.5], atol=1e-6)
     np.testing.assert_allclose(returns[1], [0.5, 1.0], atol=1e-6)
+
+
+def test_remax_generates_a_greedy_response_per_prompt_whose_reward_is_its_samples_baseline(
+    tmp_path, controller, tokenizer
+):
+    executor, store = _generating_executor(tmp_path, controller, tokenizer, "exact_match")
+    executor.config = executor.client.config = executor.config.model_copy(
+        update={"algo": executor.config.algo.model_copy(update={"advantage_estimator": "remax"})}
+    )
+    executor.advantage_estimator = remax
+    executor.generate(0)
+    table = store.read(0)
+
+    # the greedy responses, generated apart: their exact_match rewards are the baselines, one per prompt
+    prompts = [f"{k}+1=" for k in range(len(LABELS))]
+    sampling = SamplingParams(
+        temperature=0.0,
+        max_new_tokens=executor.config.rollout.max_new_tokens,
+        stop_token_ids=executor.client.stop_token_ids,
+    )
+    results = controller.generate(
+        [GenerateRequest(prompt_ids=ids, sampling=sampling) for ids in tokenizer(prompts)["input_ids"]]
+    )
+    greedy = [
+        exact_match(text, label, executor.client.stopped(r))
+        for text, label, r in zip(
+            tokenizer.batch_decode([r.output_ids for r in results], skip_special_tokens=True),
+            LABELS,
+            results,
+            strict=True,
+        )
+    ]
+    assert table.column("baseline_reward").to_pylist() == [b for b in greedy for _ in range(2)]
+    assert table.num_rows == 2 * len(LABELS)  # the greedy responses are not samples
+
+    handed, _ = executor.get(0, trainer_version=0)
+    rewards, baselines = (handed.column(c).to_numpy(zero_copy_only=False) for c in ("raw_reward", "baseline_reward"))
+    np.testing.assert_allclose(handed.column("advantage").to_numpy(), rewards - baselines, atol=1e-6)

@@ -47,10 +47,10 @@ def test_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "version, dropped",
     [
-        ("2", ["prompt", "num_turns", "end_reason", "weight_versions", "token_rewards"]),
-        ("3", ["num_turns", "end_reason", "weight_versions", "token_rewards"]),
-        ("4", ["weight_versions", "token_rewards"]),
-        ("5", ["token_rewards"]),
+        ("2", ["prompt", "num_turns", "end_reason", "weight_versions", "token_rewards", "baseline_reward"]),
+        ("3", ["num_turns", "end_reason", "weight_versions", "token_rewards", "baseline_reward"]),
+        ("4", ["weight_versions", "token_rewards", "baseline_reward"]),
+        ("5", ["token_rewards", "baseline_reward"]),
     ],
 )
 def test_a_rollout_of_an_earlier_schema_reads_with_its_missing_columns_filled(tmp_path, version, dropped):
@@ -66,7 +66,7 @@ def test_a_rollout_of_an_earlier_schema_reads_with_its_missing_columns_filled(tm
         writer.write_table(old)
     read = store.read(5)
     assert rollout_metadata(read)["schema_version"] == SCHEMA_VERSION == "6"
-    assert read.column("token_rewards").to_pylist() == [None] * 3
+    assert read.column("token_rewards").to_pylist() == read.column("baseline_reward").to_pylist() == [None] * 3
     lengths = read.column("response_length").to_pylist()
     assert read.column("weight_versions").to_pylist() == [[5] * n for n in lengths]
     if "num_turns" in dropped:

@@ -54,6 +54,7 @@ def rollout_table(samples) -> pa.Table:
         "end_reason": ["done"] * n,
         "weight_versions": [[0] * len(s["response"]) for s in samples],
         "token_rewards": [None] * n,
+        "baseline_reward": [None] * n,
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

@@ -71,6 +71,7 @@ def _one_token_rollout(advantage: float) -> pa.Table:
         "end_reason": ["done"],
         "weight_versions": [[0]],
         "token_rewards": [None],
+        "baseline_reward": [None],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 
@@ -208,6 +209,7 @@ def _episode_table(tokenizer, response: str, mask: list[int], env_logprob: float
         "end_reason": ["done", "done"],
         "weight_versions": [[0] * len(ids), [0, 0]],
         "token_rewards": [None, None],
+        "baseline_reward": [None, None],
     }
     return pa.table(columns, schema=ROLLOUT_SCHEMA)
 

@@ -16,6 +16,7 @@ from miles.train.algorithms.advantages import (
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     reinforce_plus_plus_sample,
+    remax,
     rloo,
 )
 
@@ -216,3 +217,9 @@ def test_opo_baseline_is_the_length_weighted_group_mean():
     # group 0: scores 1, 0, 1 over 2, 4, 2 tokens: baseline (2 + 0 + 2) / 8 = 0.5 (the plain mean would be 2/3)
     out = opo(_expect([1.0, 0.0, 1.0, 3.0]), torch.tensor([0, 0, 0, 1]), _expect([2.0, 4.0, 2.0, 7.0]))
     torch.testing.assert_close(out, _expect([0.5, -0.5, 0.5, 0.0]))
+
+
+def test_remax_subtracts_the_greedy_responses_reward_and_gives_0_without_one():
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=torch.float64)
+    baselines = torch.tensor([0.5, 0.5, float("nan"), 0.25], dtype=torch.float64)
+    torch.testing.assert_close(remax(scores, baselines), torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64))

@@ -37,6 +37,8 @@ def test_builtins_cover_every_kind():
             "reinforce_plus_plus_baseline",
             "gpg",
             "opo",
+            "remax",
+            "gae",
         ]
     )
     assert sorted(BUILTINS["policy_loss"]) == [
