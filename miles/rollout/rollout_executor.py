@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import logging
 import math
 import threading
@@ -15,10 +16,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from miles.config import RunConfig
+from miles.config import CHANGES_FREELY, RunConfig
 from miles.data import DataSource
 from miles.engines.base import SamplingParams
-from miles.rewards import RewardFn
+from miles.rewards import MODEL_REWARDS, RewardFn
 from miles.rewards.scoring import clip
 from miles.rollout.generation import GenerateClient, RolloutSample, SampleRecord, resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
@@ -36,7 +37,12 @@ log = logging.getLogger(__name__)
 def scorer_identity(config: RunConfig, reward: RewardFn | object) -> str:
     """What scores a rollout's samples, stored with it: the reward (and the environment and generate_fn, when set) by
     its config value and a hash of the source file it comes from, so that a reward fixed in place reads as another."""
-    scorers = {"data.reward": (config.data.reward, reward)}
+    name = config.data.reward
+    if name in MODEL_REWARDS:  # a model scores: its settings say what it gives, except those that change freely
+        resources = {field.split(".", 1)[1] for field in CHANGES_FREELY if field.startswith(f"{name}.")}
+        settings = getattr(config, name).model_dump(mode="json", exclude=resources)
+        name = f"{name}{json.dumps(settings, sort_keys=True)}"
+    scorers = {"data.reward": (name, reward)}
     if config.rollout.env is not None:
         from miles.envs.base import resolve_environment
 

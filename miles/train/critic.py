@@ -7,7 +7,6 @@ token's value is the critic's output at the token before it: the value of the st
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -25,14 +24,7 @@ from miles.train.algorithms import Algorithm
 from miles.train.algorithms.aggregation import LossScale
 from miles.train.algorithms.value import value_loss
 from miles.train.batch import TrainBatch, batch_from_table
-from miles.train.update import (
-    NonFiniteGradient,
-    all_reduce_sum,
-    prepare_batch,
-    rank_micro_batches,
-    set_lr,
-    sum_replicated_gradients,
-)
+from miles.train.update import all_reduce_sum, clipped_step, prepare_batch, rank_micro_batches, set_lr
 
 
 def token_values(model, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -176,10 +168,4 @@ def _value_step(
         sums["loss"] += float((per_token.detach() * mask).sum())
         sums["clipped"] += float((clipped * mask).sum())
         sums["tokens"] += float(mask.sum())
-    sum_replicated_gradients(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.grad_clip)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    if not math.isfinite(grad_norm):
-        raise NonFiniteGradient(f"the critic's gradient norm is {grad_norm}; its optimizer step is not taken")
-    optimizer.step()
-    return grad_norm
+    return clipped_step(optimizer, params, config.train.grad_clip, "the critic's value loss")

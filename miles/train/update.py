@@ -317,17 +317,26 @@ def optimizer_step(
         loss = micro_batch_loss(logp, entropy, advantages, mask, rows, logprobs, algo, algorithm, scale, sums)
         loss.backward()
         step_loss += float(loss.detach())
+    return step_loss, clipped_step(optimizer, params, config.train.grad_clip, f"loss {step_loss}")
+
+
+def clipped_step(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float, what: str
+) -> float:
+    """The optimizer step on the accumulated gradients, summed over the ranks where a parameter is whole on each,
+    clipped to `grad_clip` in global norm; returns that norm. A NaN or infinite norm takes no step (NonFiniteGradient,
+    with `what` in its message)."""
     sum_replicated_gradients(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     # sharded parameters give the norm as a DTensor; its full value is the global norm
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     if not math.isfinite(grad_norm):
         raise NonFiniteGradient(
-            f"the gradient norm is {grad_norm} (loss {step_loss}); the optimizer step is not taken, and the weights "
-            "hold the steps before it"
+            f"the gradient norm is {grad_norm} ({what}); the optimizer step is not taken, and the weights hold the "
+            "steps before it"
         )
     optimizer.step()
-    return step_loss, grad_norm
+    return grad_norm
 
 
 def train_on_rollout(

@@ -323,6 +323,16 @@ def test_a_reward_changed_in_place_is_another_scorer(tmp_path, monkeypatch):
     assert before != after
 
 
+def test_a_model_reward_is_another_scorer_when_its_settings_change_what_it_scores():
+    def identity(*overrides: str) -> str:
+        config = load_config(None, ["data.reward=judge", "judge.model_path=/models/judge", *overrides])
+        return scorer_identity(config, resolve_reward(config.data.reward, config))
+
+    assert identity() == identity("judge.num_engines=4")  # more engines score the same
+    assert identity() != identity("judge.model_path=/models/other")
+    assert identity() != identity("judge.prompt_template=Is {response} right?")
+
+
 def test_a_damaged_untrained_rollout_is_set_aside_and_generated_again(tmp_path, controller, tokenizer, caplog):
     executor, store = _generating_executor(tmp_path, controller, tokenizer, "digit_match")
     summary = executor.generate(0)
