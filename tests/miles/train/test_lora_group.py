@@ -80,7 +80,7 @@ def test_a_bf16_base_sharded_over_two_workers_keeps_float32_adapters_and_resumes
     the checkpoint two workers write resumes on one worker, which then steps as the group would have."""
     group = _group(small_config, bf16_model_dir, tmp_path / "two", "train.num_workers=2")
     try:
-        _train(group, rollout)
+        saved, _ = _train(group, rollout)
         checkpoint = group.call(LoRATrainActor.save_checkpoint, "tenant", 0, {})
         held = group.results(group.submit(LoRATrainActor.held_bytes))
         continued, _ = _train(group, rollout, rollout_ids=(1,))
@@ -95,8 +95,12 @@ def test_a_bf16_base_sharded_over_two_workers_keeps_float32_adapters_and_resumes
     finally:
         fp32.kill()
         resumed.kill()
-    gap = max_abs_diff(continued, after_resume)
-    print(f"resumed on one worker vs the group going on: {gap:.2e}")
-    assert gap < 1e-4
+    # bf16 compute, sharded or not, rounds differently from machine to machine (the CPU's bf16 kernels), and Adam
+    # turns a rounding-level gradient difference into a sizeable step on a weight whose gradient is near 0: compare
+    # the step taken after the resume, over the whole adapter, with the group's (lost Adam moments would make it
+    # another step altogether).
+    gap = relative_distance(after_resume, continued, saved)
+    print(f"resumed on one worker vs the group going on: {gap:.2e} of the step taken")
+    assert gap < 1e-2
     assert all(h["base"] <= 0.3 * fp32_bytes["base"] for h in held)  # bf16 and halved
     assert all(h["adapters"] == fp32_bytes["adapters"] and h["optimizer"] == fp32_bytes["optimizer"] for h in held)
