@@ -16,10 +16,14 @@ from collections.abc import Callable
 
 import ray
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from miles.cluster import actor_options
 from miles.config import JudgeConfig, RewardModelConfig, RolloutConfig
+from miles.data.prompts import PromptFormatter
+from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
 from miles.registry import import_callable
+from miles.rollout.inference_controller import InferenceController
 
 Verdict = Callable[[str, str, str], float | None]  # (the judge's reply, the response, the label) -> reward
 
@@ -58,13 +62,7 @@ class GenerativeJudge:
         self._prompts = None
         self._stop_ids: tuple[int, ...] = ()
 
-    def _started(self):
-        from transformers import AutoTokenizer
-
-        from miles.data.prompts import PromptFormatter
-        from miles.engines.base import eos_token_ids
-        from miles.rollout.inference_controller import InferenceController
-
+    def _started(self) -> InferenceController:
         with self._lock:
             if self._controller is None:
                 tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
@@ -75,8 +73,6 @@ class GenerativeJudge:
 
     def replies(self, prompts: list[str], responses: list[str], labels: list[str]) -> list[str]:
         """The judge's greedy reply to each sample's judge prompt (prompt_template filled in)."""
-        from miles.engines.base import GenerateRequest, SamplingParams
-
         controller = self._started()
         texts = [
             self.config.prompt_template.format(prompt=p, response=r, label=la)
@@ -111,8 +107,6 @@ class RewardModelActor:
     """The reward model in a process of its own: prompt + response texts in, one score each out."""
 
     def __init__(self, config: RewardModelConfig):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
         torch.set_num_threads(config.num_threads)
         self.config = config
         self.device = torch.device(config.device)

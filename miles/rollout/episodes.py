@@ -56,6 +56,7 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     token_rewards: list[float] = field(default_factory=list)  # each contribution at the last model token before it
+    last_model_token: int | None = None
     reward: float = 0.0
     turns: int = 0
     weight_version: int | None = None
@@ -68,6 +69,8 @@ class _Episode:
         self.mask += [1] * len(result.output_ids)
         self.versions += result.weight_versions
         self.token_rewards += [0.0] * len(result.output_ids)
+        if result.output_ids:
+            self.last_model_token = len(self.response_ids) - 1
         self.turns += 1
         version = result.weight_version
         self.weight_version = version if self.weight_version is None else min(self.weight_version, version)
@@ -82,9 +85,8 @@ class _Episode:
     def credit(self, reward: float) -> None:
         """Add a reward contribution to the episode's, at its last model token so far (the turn it rewards)."""
         self.reward += reward
-        model_tokens = [i for i, trained in enumerate(self.mask) if trained]
-        if model_tokens:
-            self.token_rewards[model_tokens[-1]] += reward
+        if self.last_model_token is not None:
+            self.token_rewards[self.last_model_token] += reward
 
     def fail(self, error: EnvFailed) -> None:
         self.end_reason, self.failure = error.reason, str(error)

@@ -29,7 +29,7 @@ from miles.seeds import rollout_seed
 from miles.train.algorithms import resolve_algorithm
 from miles.train.algorithms.dapo import equal_score_groups, overlong_penalty
 from miles.train.algorithms.value import gae, whiten
-from miles.train.batch import RETURNS, TOKEN_ADVANTAGES, VALUES
+from miles.train.batch import RETURNS, TOKEN_ADVANTAGES, VALUES, list_grid
 
 log = logging.getLogger(__name__)
 
@@ -320,21 +320,13 @@ class RolloutExecutor:
         lengths = table.column("response_length").to_numpy().astype(np.int64)
         if not np.array_equal(np.diff(values.offsets.to_numpy()), lengths):
             raise ValueError(f"{self.store.values_path(rollout_id)}: a sample's values do not match its response")
-        mask_lists = table.column("loss_mask").combine_chunks()
         width = int(lengths.max()) if len(lengths) else 0
-        at = _grid_positions(lengths, width)
-        mask = torch.zeros(len(lengths) * width, dtype=torch.float64)
-        mask[at] = torch.from_numpy(_list_values(mask_lists))
-        mask = mask.view(len(lengths), width)
-        value_grid = torch.zeros(len(lengths) * width, dtype=torch.float64)
-        value_grid[at] = torch.from_numpy(_list_values(values))
-        value_grid = value_grid.view(len(lengths), width)
+        mask, value_grid, rewards = (
+            torch.from_numpy(list_grid(column, width))
+            for column in (table.column("loss_mask"), values, table.column("token_rewards"))
+        )
         columns = torch.arange(width).expand_as(mask)
         last_trained = torch.where(mask > 0, columns, -1).max(dim=1).values
-        credited = table.column("token_rewards").combine_chunks()
-        rewards = torch.zeros(len(lengths) * width, dtype=torch.float64)
-        rewards[_grid_positions(np.diff(credited.offsets.to_numpy()), width)] = torch.from_numpy(_list_values(credited))
-        rewards = rewards.view(len(lengths), width)
         scored = last_trained >= 0
         rest = scores - rewards.sum(dim=1)
         rewards[scored, last_trained[scored]] += rest[scored]
@@ -344,9 +336,10 @@ class RolloutExecutor:
         first_trained = torch.where(mask > 0, columns, width).min(dim=1).values.clamp(max=max(width - 1, 0))
         per_sample = advantages.gather(1, first_trained.unsqueeze(1)).squeeze(1) if width else advantages[:, 0]
         offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        within = columns < torch.from_numpy(lengths).unsqueeze(1)  # each row's response tokens, in row order
 
         def as_lists(grid: torch.Tensor) -> pa.ListArray:
-            return pa.ListArray.from_arrays(offsets, pa.array(grid.reshape(-1)[at].numpy().astype(np.float32)))
+            return pa.ListArray.from_arrays(offsets, pa.array(grid[within].numpy().astype(np.float32)))
 
         table = table.set_column(
             table.schema.get_field_index("advantage"),
@@ -420,19 +413,6 @@ def uneven_groups(groups: np.ndarray, workers: int) -> np.ndarray:
             if key not in best or total + size < best[key][0]:
                 best[key] = (total + size, (*chosen, group))
     return np.array(sorted(best[excess][1]), dtype=groups.dtype)
-
-
-def _list_values(lists: pa.ListArray) -> np.ndarray:
-    """The elements of a list array's own rows (a slice's, not the buffer behind it), as float64."""
-    offsets = lists.offsets.to_numpy()
-    return lists.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]].astype(np.float64)
-
-
-def _grid_positions(lengths: np.ndarray, width: int) -> torch.Tensor:
-    """The flat index into a [rows, width] grid of each list element, row i's list from column 0."""
-    starts = np.repeat(np.arange(len(lengths)) * width, lengths)
-    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return torch.from_numpy(starts + within)
 
 
 def trained_tokens(table: pa.Table) -> np.ndarray:

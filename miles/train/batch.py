@@ -98,9 +98,9 @@ def split_to(bounds: list[slice], lengths: torch.Tensor, count: int) -> list[sli
     return bounds
 
 
-def _list_view(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+def _list_view(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) of a list column; offsets index into values directly, slices included."""
-    array = column.combine_chunks()
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     return array.offsets.to_numpy(), array.values.to_numpy(zero_copy_only=False)
 
 
@@ -117,6 +117,15 @@ def _placed(rows: int, width: int, at: np.ndarray, values: np.ndarray, fill, dty
     out = np.full(rows * width, fill, dtype=dtype)
     out[at] = values
     return out.reshape(rows, width)
+
+
+def list_grid(column: pa.ChunkedArray | pa.Array, width: int) -> np.ndarray:
+    """A list column as a [rows, width] float64 grid, each row's list from column 0 and zeros after it (a null list
+    is an empty one)."""
+    offsets, values = _list_view(column)
+    rows = len(offsets) - 1
+    at = _positions(rows, width, np.zeros(rows, dtype=np.int64), offsets)
+    return _placed(rows, width, at, values[offsets[0] : offsets[-1]], 0.0, np.float64)
 
 
 def batch_from_table(table: pa.Table, pad_token_id: int) -> TrainBatch:
