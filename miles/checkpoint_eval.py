@@ -3,7 +3,7 @@ weights, and the run's eval data sets (its config as run.json records it, with i
 an evaluation during training writes, at the rollout that follows the checkpoint (its weights' version), and go to
 `<run_dir>/evaluations/checkpoint-<rollout_id>.json`: written once, so a second evaluation of a checkpoint (a retried
 or repeated trigger) returns them without running again. The `rl-eval` flow (flows/eval.py) runs it when a checkpoint
-is saved."""
+is saved, and catches up with the run's earlier checkpoints that no trigger evaluated."""
 
 from __future__ import annotations
 
@@ -75,6 +75,20 @@ def evaluate_checkpoint(checkpoint: str | Path) -> list[dict[str, Any]]:
     for record in records:
         log.info("checkpoint %d, eval %s: reward %.3f", rollout_id, record["eval"], record["reward_mean"])
     return records
+
+
+def unevaluated_checkpoints(run_dir: RunDir, before: int) -> list[Path]:
+    """The run's model checkpoints saved before rollout `before` that have no evaluation: their trigger was lost (an
+    event the API did not store, or no rl-eval deployment served when they were saved)."""
+    root = run_dir.checkpoints
+    saved = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+    return [
+        run_dir.checkpoint(rollout_id)
+        for rollout_id in saved
+        if rollout_id < before
+        and (run_dir.checkpoint(rollout_id) / MODEL_DIR).is_dir()
+        and not evaluations_path(run_dir, rollout_id).exists()
+    ]
 
 
 def checkpoint_evaluations(run_dir: RunDir) -> list[dict[str, Any]]:

@@ -21,25 +21,31 @@ def test_a_checkpoint_evaluated_apart_equals_the_evaluation_during_training_and_
     training = sync_rl(config, return_state=True)
     assert training.is_completed()
     training_id = training.state_details.flow_run_id
-    checkpoint = RunDir(config.run_dir).checkpoint(1)
+    run_dir = RunDir(config.run_dir)
+    first, last = run_dir.checkpoint(1), run_dir.checkpoint(3)
 
-    state = rl_eval(str(checkpoint), str(training_id), return_state=True)
+    # The trigger of checkpoint 1 was lost: checkpoint 3's evaluation catches up with it, first.
+    state = rl_eval(str(last), str(training_id), return_state=True)
     assert state.is_completed(), state.message
     (record,) = state.result()
-    # The same weights (version 2), data set, seeds and engines' sampling as the run's own evaluation at rollout 2.
-    (during,) = [r for r in RunDir(config.run_dir).evaluations("sums") if r["rollout_id"] == 2]
-    assert record["weight_version"] == 2 and record["checkpoint"] == str(checkpoint)
-    for key in ("rollout_id", "reward_mean", "pass_at_1", "prompts", "samples", "response_length_mean"):
-        assert record[key] == during[key], key
-    stored = evaluations_path(RunDir(config.run_dir), 1)
-    assert json.loads(stored.read_text()) == [record]
+    caught_up = json.loads(evaluations_path(run_dir, 1).read_text())
+    assert evaluations_path(run_dir, 1).stat().st_mtime_ns < evaluations_path(run_dir, 3).stat().st_mtime_ns
+    # The same weights (versions 2 and 4), data set, seeds and engines' sampling as the run's own evaluations at
+    # rollouts 2 and 4.
+    for (stored,), checkpoint in ((caught_up, first), ([record], last)):
+        (during,) = [r for r in run_dir.evaluations("sums") if r["rollout_id"] == stored["weight_version"]]
+        assert stored["checkpoint"] == str(checkpoint)
+        for key in ("rollout_id", "reward_mean", "pass_at_1", "prompts", "samples", "response_length_mean"):
+            assert stored[key] == during[key], key
+    assert json.loads(evaluations_path(run_dir, 3).read_text()) == [record]
 
-    # Again (a repeated trigger): the stored records, not a second evaluation.
-    written = stored.stat().st_mtime_ns
-    assert rl_eval(str(checkpoint)) == [record] and stored.stat().st_mtime_ns == written
+    # Checkpoint 1's trigger again (late, or repeated): the stored records, not a second evaluation.
+    written = evaluations_path(run_dir, 1).stat().st_mtime_ns
+    assert rl_eval(str(first)) == caught_up and evaluations_path(run_dir, 1).stat().st_mtime_ns == written
     for flow_run_id in (training_id, state.state_details.flow_run_id):
         (artifact,) = [a for a in flow_run_artifacts(flow_run_id) if a.key == "run-checkpoint-evals"]
-        assert [(row["rollout_id"], row["checkpoint"]) for row in json.loads(artifact.data)] == [(2, str(checkpoint))]
+        rows = [(row["rollout_id"], row["checkpoint"]) for row in json.loads(artifact.data)]
+        assert rows == [(2, str(first)), (4, str(last))]
 
 
 def test_a_path_that_is_not_a_model_checkpoint_is_refused(tmp_path):

@@ -81,12 +81,16 @@ def test_a_pause_that_changes_the_lr_equals_a_run_started_with_that_change(
         assert got["loss"] == want["loss"] and got["reward_mean"] == want["reward_mean"]
 
 
-def test_the_async_graph_drains_what_is_in_flight_before_it_pauses(ray_session, small_config):
-    config = small_config("algo.use_tis=true", **RUN)
+@pytest.mark.parametrize(
+    "schedule, window", [(schedules.one_step_off_policy, 1), (schedules.fully_async, 2)], ids=["async", "fully-async"]
+)
+def test_the_async_graphs_drain_what_is_in_flight_before_they_pause(ray_session, small_config, schedule, window):
+    config = small_config("algo.use_tis=true", f"rollout.max_rollouts_in_flight={window}", **RUN)
     control = ScriptedControl("pause", after=1, values={"temperature": 0.7})
-    records = _run(config, schedules.one_step_off_policy, control)
-    # Rollout 1 was generated beside the training of rollout 0: it is trained before the pause, none is in flight.
-    assert control.paused_at == [2] and control.in_flight_at_pause == [[]]
+    records = _run(config, schedule, control)
+    # Asked once rollout 0 was trained: the `window` rollouts generated beside it are trained before the pause, and
+    # none is in flight at it.
+    assert control.paused_at == [1 + window] and control.in_flight_at_pause == [[]]
     assert [r["rollout_id"] for r in records] == [0, 1, 2, 3]
     assert RunDir(config.run_dir).recorded_changes()[0]["values"] == {"rollout.temperature": 0.7}
 
