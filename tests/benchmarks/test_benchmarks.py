@@ -1,6 +1,7 @@
 """Every benchmark still runs: each script answers --help, and its --smoke run (the tiniest sizes, the same steps)
 ends with its figure's line. A new script is picked up by its file name; nothing here checks a figure or a time."""
 
+import json
 import os
 import subprocess
 import sys
@@ -71,11 +72,37 @@ def test_every_script_names_its_figure():
     assert sorted(FIGURES) == SCRIPTS
 
 
+# Every script's --help in one fresh process: each script's own imports (torch, Prefect, Ray) are paid once.
+HELP_ALL = """
+import contextlib, io, json, runpy, sys
+answers = {}
+for script in sys.argv[1:]:
+    sys.argv = [script, "--help"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_module(f"benchmarks.{script}", run_name="__main__")
+            code = "returned without exiting"
+        except SystemExit as exc:
+            code = exc.code
+    answers[script] = {"code": code, "stdout": out.getvalue()}
+print(json.dumps(answers))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_answers() -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", HELP_ALL, *SCRIPTS], cwd=PROJECT, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_help(script):
-    out = _benchmark(script, "--help")
-    assert out.returncode == 0, out.stderr
-    assert "--smoke" in out.stdout
+def test_help(script, help_answers):
+    answer = help_answers[script]
+    assert answer["code"] == 0 and "--smoke" in answer["stdout"], answer
 
 
 @pytest.mark.parametrize(
