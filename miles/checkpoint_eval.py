@@ -80,11 +80,9 @@ def evaluate_checkpoint(checkpoint: str | Path) -> list[dict[str, Any]]:
 def unevaluated_checkpoints(run_dir: RunDir, before: int) -> list[Path]:
     """The run's model checkpoints saved before rollout `before` that have no evaluation: their trigger was lost (an
     event the API did not store, or no rl-eval deployment served when they were saved)."""
-    root = run_dir.checkpoints
-    saved = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
     return [
         run_dir.checkpoint(rollout_id)
-        for rollout_id in saved
+        for rollout_id in run_dir.saved_checkpoints()
         if rollout_id < before
         and (run_dir.checkpoint(rollout_id) / MODEL_DIR).is_dir()
         and not evaluations_path(run_dir, rollout_id).exists()

@@ -189,9 +189,7 @@ class Iterations:
 
     def _lineage(self, rollout_id: int) -> dict[str, Any]:
         """What made the weights trained on `rollout_id` since the previous checkpoint (miles.lineage)."""
-        checkpoints = self.run_dir.checkpoints
-        saved = [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()] if checkpoints.is_dir() else []
-        previous = max((i for i in saved if i < rollout_id), default=None)
+        previous = max((i for i in self.run_dir.saved_checkpoints() if i < rollout_id), default=None)
         order = self.executor.prompt_order
         rollouts = []
         for i in range(0 if previous is None else previous + 1, rollout_id + 1):

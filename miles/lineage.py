@@ -51,9 +51,7 @@ def describe(run_dir: str | Path, rollout_id: int | None = None) -> dict[str, An
     """The lineage of the run's checkpoint of `rollout_id` (the latest when None), with the evaluations of its
     weights (those at rollout_id + 1)."""
     run = RunDir(run_dir)
-    saved = (
-        sorted(int(p.name) for p in run.checkpoints.iterdir() if p.name.isdigit()) if run.checkpoints.is_dir() else []
-    )
+    saved = run.saved_checkpoints()
     if not saved:
         raise ValueError(f"{run.path} has no checkpoint")
     if rollout_id is None:

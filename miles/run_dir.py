@@ -48,6 +48,11 @@ class RunDir:
     def checkpoint(self, rollout_id: int) -> Path:
         return self.checkpoints / str(rollout_id)
 
+    def saved_checkpoints(self) -> list[int]:
+        """The rollout ids of the checkpoint directories, in order (intact or not)."""
+        root = self.checkpoints
+        return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
     @property
     def engine_weights(self) -> Path:
         return self.path / "engine_weights"
