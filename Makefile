@@ -66,15 +66,16 @@ DRY_RUN_PYTHON ?= $(HOME)/.cache/miles-flow/gpu-dry-run-312/bin/python
 gpu-check-dry-run: gpu-wheels
 	PY=$(DRY_RUN_PYTHON) bash scripts/gpu_check.sh --dry-run
 
-# Lint and format checks first: a failing one stops the run before the slow tests. The benchmarks' smoke runs are
-# whole processes that leave a core idle much of the time (engine and trainer take turns), and check no time: two at
-# once. The rest runs one test at a time: its tests time engines and servers, and its learning bars were set on runs
-# that had the machine to themselves.
+# Lint and format checks first: a failing one stops the run before the slow tests. The benchmarks' smoke runs and
+# the deployment tests are whole processes (servers, workers, flow runs) that leave a core idle much of the time and
+# check no time: two at once. The rest runs one test at a time: its tests time engines and servers, and its learning
+# bars were set on runs that had the machine to themselves.
+TWO_AT_ONCE := tests/benchmarks tests/e2e/test_deployments.py
 test: install install-sglang-cpu
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q -n 2 tests/benchmarks
-	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q --ignore=tests/benchmarks
+	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q -n 2 $(TWO_AT_ONCE)
+	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q $(addprefix --ignore=,$(TWO_AT_ONCE))
 
 ui: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200

@@ -1,37 +1,44 @@
-"""The learning bar of the embedded default: the full warm-up, then the first LEARNING_ROLLOUTS rollouts of its RL
-run, sync (the flow, the trainer on two workers) and async (the flow), and the sync run (plain loop) under other
-algorithms.
+"""The learning bar of the embedded default: the full warm-up, then the first rollouts of its RL run, sync (the flow,
+the trainer on two workers), async and fully-async (the flows), and the sync run (plain loop) under other algorithms.
 
 Bar: sampled reward of the last 20 iterations at least 0.02 above the first 20 (the noise of that difference is
-about 0.005: 20 x 512 samples a side), and greedy accuracy of the final weights on 200 sums (the default
-evaluation, on the engines, at rollout 0 and at the end) at least GREEDY_GAIN above the starting (warmed-up)
-model's. The warm-up stops at greedy accuracy 0.3 on 500 held-out sums, checked every 10 steps, so every machine
-starts from about the same model (with a check every 50 steps on 200 sums, float rounding stopped some machines at a
-weaker model, from which the off-policy flows learned too little). Measured on one machine (start: greedy 0.235 on the
-evaluation's 200 sums): +0.092 (sync flow, two workers), +0.084 (gspo), +0.089 (rloo) within 100 rollouts; +0.143
-(async) and +0.127 (fully-async, two versions behind) within 200; greedy 0.235 -> 0.355-0.435. On another machine
-(start 0.295): GRPO +0.075 and PPO with a critic (gae) +0.070 within 100 rollouts (benchmarks/ppo_vs_grpo.py).
+about 0.005: 20 x 512 samples a side), and greedy accuracy of the final weights on every sum of the task (10,000,
+evaluated on the engines at rollout 0 and at the end) at least GREEDY_GAIN above the starting (warmed-up) model's.
+Greedy answers churn: over a run about a third of them flip, and the accuracy may dip before it rises (fully-async:
+-0.036 at rollout 50, +0.031 at 200). On the default evaluation's 200 sums that churn alone gives a gain a standard
+deviation of 0.04, as large as the gains themselves, so a bar there passed or failed by the sample a machine drew; on
+all 10,000 it is 0.006. The warm-up stops at greedy accuracy 0.3 on 500 held-out sums, checked every 10 steps, so
+every machine starts from about the same model (with a check every 50 steps on 200 sums, float rounding stopped some
+machines at a weaker model, from which the off-policy flows learned too little).
+
+Measured on one machine (start 0.2946 on the whole task): gspo +0.032, rloo +0.036, gae +0.040 within 100 rollouts;
+the sync flow on two workers +0.077 (+0.015 at rollout 100), async +0.077 and fully-async +0.033 (+0.031 in another
+run) within 200; the multi-LoRA adapters +0.184 (addition) and +0.053 (subtraction) within 150.
 """
 
 import pytest
 from transformers import AutoTokenizer
 
-from miles.config import load_config
+from miles.config import embedded_adapters, load_config
+from miles.envs.arithmetic import task_rows
 from miles.run_dir import RunDir
 
 LEARNING_ROLLOUTS = 100  # of the default's 300: the figures above show learning well within them
 
-# The measured runs gain +0.12 to +0.20 in greedy accuracy on the 200 evaluation sums (0.235 -> 0.355-0.435 above;
-# the calculator run 0.80 -> 0.97). Weights that do not learn keep their greedy answers, or flip some at random: even
-# a fifth of the 200 answers flipping moves the accuracy by a standard deviation of sqrt(0.2 / 200) = 0.032. The bar
-# is half the smallest measured gain, about twice that noise.
-GREEDY_GAIN = 0.06
+# A third of the smallest measured gain, and about twice the noise the churn alone gives on the whole task.
+GREEDY_GAIN = 0.01
+CALCULATOR_GREEDY_GAIN = 0.06
 
 
-def _greedy_accuracy(run_dir: RunDir, task: str) -> tuple[float, float]:
+def _whole_task_eval(task: str) -> dict:
+    """The evaluation of every prompt of a built-in task (10,000 sums or differences), greedy."""
+    return {"datasets": [{"name": task, "task": task}]}
+
+
+def _greedy_accuracy(run_dir: RunDir, task: str, prompts: int = len(task_rows("addition"))) -> tuple[float, float]:
     """Greedy accuracy (the exact-match reward at temperature 0) of the starting and of the final weights."""
     evaluations = run_dir.evaluations(task)
-    assert evaluations[0]["rollout_id"] == 0 and evaluations[0]["prompts"] == 200
+    assert evaluations[0]["rollout_id"] == 0 and evaluations[0]["prompts"] == prompts
     return evaluations[0]["reward_mean"], evaluations[-1]["reward_mean"]
 
 
@@ -63,7 +70,8 @@ def test_sync_flow_learns_addition_on_two_trainer_workers(ray_session, prefect_a
         None,
         ["train.num_workers=2", "train.num_threads=1"],
         run_dir=str(tmp_path / "run"),
-        num_rollout=LEARNING_ROLLOUTS,
+        num_rollout=2 * LEARNING_ROLLOUTS,  # GRPO at the defaults gains +0.015 in greedy accuracy within 100
+        eval=_whole_task_eval("addition"),
     )
     state = sync_rl(config, return_state=True)
     assert state.is_completed(), state.message
@@ -79,7 +87,8 @@ def test_sync_flow_learns_addition_on_two_trainer_workers(ray_session, prefect_a
         # collapses to reward 0, 5e-4 gains only +0.01); 3e-4 learns steadily.
         ["algo.advantage_estimator=rloo", "train.lr=3e-4"],
         # PPO with a critic (GAE): the critic's values in place of a group baseline. Without a warm-up the policy
-        # follows the new critic's noise (greedy 0.295 -> 0.285); 10 rollouts of critic training first: -> 0.365.
+        # follows the new critic's noise (sampled reward +0.039 in 100 rollouts); 10 rollouts of critic training
+        # first: +0.059.
         ["algo.advantage_estimator=gae", "critic.warmup_rollouts=10"],
     ],
     ids=["gspo", "rloo", "gae"],
@@ -87,7 +96,13 @@ def test_sync_flow_learns_addition_on_two_trainer_workers(ray_session, prefect_a
 def test_sync_learns_addition_with(algorithm, ray_session, tmp_path, model_cache_env):
     from miles.loop import run_sync
 
-    config = load_config(None, algorithm, run_dir=str(tmp_path / "run"), num_rollout=LEARNING_ROLLOUTS)
+    config = load_config(
+        None,
+        algorithm,
+        run_dir=str(tmp_path / "run"),
+        num_rollout=LEARNING_ROLLOUTS,
+        eval=_whole_task_eval("addition"),
+    )
     run_sync(config)
     _check_learning(config)
 
@@ -118,6 +133,7 @@ def test_async_flow_learns_addition(ray_session, prefect_api, tmp_path, model_ca
         ["rollout.num_threads=1", "train.num_threads=1"],
         run_dir=str(tmp_path / "run"),
         num_rollout=2 * LEARNING_ROLLOUTS,  # where the warm-up stops weaker, 100 rollouts one behind learn too little
+        eval=_whole_task_eval("addition"),
     )
     assert async_rl(config, return_state=True).is_completed()
     _check_learning(config)
@@ -135,6 +151,7 @@ def test_fully_async_flow_learns_addition_several_versions_off_policy(
         ["rollout.num_threads=1", "train.num_threads=1"],
         run_dir=str(tmp_path / "run"),
         num_rollout=2 * LEARNING_ROLLOUTS,  # two versions behind, it learns more slowly than one behind
+        eval=_whole_task_eval("addition"),
     )
     assert fully_async_rl(config, return_state=True).is_completed()
     _check_learning(config)
@@ -144,11 +161,14 @@ def test_fully_async_flow_learns_addition_several_versions_off_policy(
 
 def test_multi_lora_flow_learns_both_tasks(ray_session, prefect_api, tmp_path, model_cache_env):
     """The embedded multi-LoRA default: an addition and a subtraction adapter on one base, trained in one flow run
-    (150 rollouts each; in the plain loop over three seeds, subtraction learns slowly: +0.045 to +0.062, greedy up
-    0.04 to 0.12, where addition gains +0.103 and +0.118, greedy 0.265 -> 0.5)."""
+    (150 rollouts each; in the plain loop over three seeds, subtraction's sampled reward gains only +0.045 to +0.062,
+    where addition gains +0.103 and +0.118)."""
     from flows.multi_lora import multi_lora
 
-    config = load_config(None, ["rollout.num_threads=1", "train.num_threads=1"], run_dir=str(tmp_path / "run"))
+    adapters = [{**adapter.model_dump(), "eval": _whole_task_eval(adapter.name)} for adapter in embedded_adapters()]
+    config = load_config(
+        None, ["rollout.num_threads=1", "train.num_threads=1"], run_dir=str(tmp_path / "run"), adapters=adapters
+    )
     state = multi_lora(config, return_state=True)
     assert state.is_completed(), state.message
     reports = {}
@@ -165,7 +185,7 @@ def test_multi_lora_flow_learns_both_tasks(ray_session, prefect_api, tmp_path, m
     print(reports)
     for name, report in reports.items():
         assert report["last25"] - report["first25"] >= 0.02, (name, report)
-        assert report["greedy"][1] > report["greedy"][0], (name, report)
+        assert report["greedy"][1] - report["greedy"][0] >= GREEDY_GAIN, (name, report)
 
 
 def test_the_model_learns_to_use_the_calculator(ray_session, tmp_path, model_cache_env):
@@ -173,8 +193,9 @@ def test_the_model_learns_to_use_the_calculator(ray_session, tmp_path, model_cac
     calls it in half its examples. Bar: the mean sampled reward of the last 3 rollouts at least 0.15 above the first
     3, and the share of episodes that call the calculator on the whole sum too (each a mean of 3 x 512 episodes:
     about 0.013 of noise for a share near 0.5, so 0.15 is more than 8 times the noise of their difference;
-    the run gains about 0.3 in both here); and greedy accuracy on 200 held-out sums (episodes) at least GREEDY_GAIN
-    above the start (0.80 -> 0.97 here)."""
+    the run gains about 0.3 in both here); and greedy accuracy on 200 held-out sums (episodes) at least
+    CALCULATOR_GREEDY_GAIN above the start: 0.415 -> 0.96 here, 0.80 -> 0.97 on another machine; on 200 sums the churn
+    of greedy answers alone moves a gain by up to 0.04."""
     from miles.envs.calculator import CALL, evaluate
     from miles.loop import run_sync
     from miles.rollout.store import RolloutStore
@@ -198,9 +219,9 @@ def test_the_model_learns_to_use_the_calculator(ray_session, tmp_path, model_cac
     report = {
         "reward": (sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3),
         "tool_use": (sum(tool_use[:3]) / 3, sum(tool_use[-3:]) / 3),
-        "greedy": _greedy_accuracy(run_dir, "sums"),
+        "greedy": _greedy_accuracy(run_dir, "sums", prompts=200),
     }
     print(report)
     assert report["reward"][1] - report["reward"][0] >= 0.15, report
     assert report["tool_use"][1] - report["tool_use"][0] >= 0.15, report
-    assert report["greedy"][1] - report["greedy"][0] >= GREEDY_GAIN, report
+    assert report["greedy"][1] - report["greedy"][0] >= CALCULATOR_GREEDY_GAIN, report
