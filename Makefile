@@ -66,16 +66,17 @@ DRY_RUN_PYTHON ?= $(HOME)/.cache/miles-flow/gpu-dry-run-312/bin/python
 gpu-check-dry-run: gpu-wheels
 	PY=$(DRY_RUN_PYTHON) bash scripts/gpu_check.sh --dry-run
 
-# Lint and format checks first: a failing one stops the run before the slow tests. The benchmarks' smoke runs and
-# the deployment tests are whole processes (servers, workers, flow runs) that leave a core idle much of the time and
-# check no time: two at once. The rest runs one test at a time: its tests time engines and servers, and its learning
-# bars were set on runs that had the machine to themselves.
-TWO_AT_ONCE := tests/benchmarks tests/e2e/test_deployments.py
+# Lint and format checks first: a failing one stops the run before the slow tests. Most tests are whole runs and
+# servers that leave a core idle much of the time (engine and trainer take turns, processes start, flows poll): two at
+# once. One at a time, after them: the learning runs (their bars were measured on a machine to themselves, and the
+# asynchronous flows learn by when weight pushes land) and the tests that time engines, servers or checks.
+ONE_AT_A_TIME := tests/e2e/test_learning.py tests/miles/engines tests/e2e/test_bad_input.py \
+	tests/miles/rewards/test_verifiers.py tests/miles/test_run_lock.py
 test: install install-sglang-cpu
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q -n 2 $(TWO_AT_ONCE)
-	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q $(addprefix --ignore=,$(TWO_AT_ONCE))
+	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q -n 2 $(addprefix --ignore=,$(ONE_AT_A_TIME))
+	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q $(ONE_AT_A_TIME)
 
 ui: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
