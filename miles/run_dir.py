@@ -180,6 +180,12 @@ class RunDir:
         record["starts"].append({"time": time.time(), **start, "config": config})
         write_json_atomic(self.record_path, record)
 
+    def record_placement(self, placement: dict[str, Any]) -> None:
+        """Where this start's actors landed (miles.placement.PlacementRecord), beside its config."""
+        record = self._record()
+        record["starts"][-1]["placement"] = placement
+        write_json_atomic(self.record_path, record)
+
 
 def _holds_files(directory: Path) -> bool:
     return directory.is_dir() and any(directory.iterdir())

@@ -53,6 +53,18 @@ def instruct_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct, a real pretrained instruct model (tests/helpers/real_model.py): built once per machine
+    by `make real-model`, which `make test` runs before naming the directory in MILES_REAL_MODEL."""
+    directory = os.environ.get("MILES_REAL_MODEL")
+    if not directory:
+        pytest.skip("the real model needs MILES_REAL_MODEL (make real-model; make test sets it)")
+    if not Path(directory).is_dir():
+        pytest.fail(f"MILES_REAL_MODEL={directory} does not exist: run make real-model")
+    return Path(directory)
+
+
+@pytest.fixture(scope="session")
 def tool_model_dir(model_cache) -> Path:
     """The embedded model of the sums task, with the calculator's tokens, warmed up as its shipped config does."""
     from miles.config import ModelConfig, WarmupConfig

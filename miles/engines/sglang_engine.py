@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_TOKENS = 8192
 NONDETERMINISTIC_BACKENDS = {"torch_native"}  # SGLang refuses --enable-deterministic-inference with these
+FLOAT32_BACKENDS = {"triton", "torch_native"}  # SGLang's GPU attention backends that take float32
 _PR_SET_PDEATHSIG = 1
 _LOG_TAIL_LINES = 30
 _POLL_S = 0.5
@@ -67,8 +68,10 @@ class SGLangEngine:
     def launch_args(
         cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
     ) -> dict[str, Any]:
+        dtype = cls.served_dtype(model_dir, rollout)
+        choose_attention_backend(rollout.sglang, rollout.device, dtype)  # refused here, before any server starts
         args = {
-            **shared_launch_args(model_dir, weight_version, rollout, cls.served_dtype(model_dir, rollout)),
+            **shared_launch_args(model_dir, weight_version, rollout, dtype),
             "config": rollout.sglang,
             "timeout_s": rollout.engine_timeout_s,
         }
@@ -135,9 +138,11 @@ class SGLangEngine:
             dtype,
             "--enable-metrics",  # /metrics: its counters of finished requests are the engine's progress
         ]
-        attention_backend = config.attention_backend or ("torch_native" if on_cpu else None)
+        attention_backend = choose_attention_backend(config, device, dtype)
         if attention_backend is not None:
             command += ["--attention-backend", attention_backend]
+        if on_cpu:  # else its scheduler polls for requests while idle, a whole core taken from the trainer beside it
+            command.append("--sleep-on-idle")
         max_total_tokens = config.max_total_tokens or (CPU_KV_CACHE_TOKENS if on_cpu else None)
         if max_total_tokens is not None:
             command += ["--max-total-tokens", str(max_total_tokens)]
@@ -404,6 +409,11 @@ class SGLangEngine:
             )
         return [float(p[0]) for p in pairs[1:]]
 
+    def weights_checksum(self) -> str | None:
+        """SGLang's own checksum of the weights it serves (`/weights_checker`, action checksum: a hash of every tensor
+        on every rank)."""
+        return self._post("/weights_checker", {"action": "checksum"}).json()["per_engine_checksum"]
+
     def _check_answers(self, answers: list[dict], version: int) -> None:
         failed = [answer.get("message") for answer in answers if not answer.get("success", False)]
         if failed:
@@ -437,6 +447,21 @@ class SGLangEngine:
                 self._process.wait()
         self._http.close()
         shutil.rmtree(self._work_dir, ignore_errors=True)
+
+
+def choose_attention_backend(config: SGLangConfig, device: str, dtype: str) -> str | None:
+    """`--attention-backend`: rollout.sglang.attention_backend, else torch_native on a CPU (SGLang's CPU default needs a
+    CPU build of its kernels, which is not published), triton for float32 on a GPU (SGLang's default there,
+    FlashAttention 3 on Hopper, which deterministic inference also forces, takes only 16-bit dtypes), else SGLang's
+    choice (None). A backend that cannot serve the dtype is refused, naming the fields."""
+    on_cpu = device == "cpu"
+    backend = config.attention_backend or ("torch_native" if on_cpu else "triton" if dtype == "float32" else None)
+    if not on_cpu and dtype == "float32" and backend not in FLOAT32_BACKENDS:
+        raise ValueError(
+            f"rollout.sglang.attention_backend={backend} takes 16-bit weights only, and rollout.dtype serves "
+            f"float32 here: use rollout.dtype=bfloat16, or attention_backend {' or '.join(sorted(FLOAT32_BACKENDS))}"
+        )
+    return backend
 
 
 def token_versions(meta: dict, count: int) -> list[int]:

@@ -42,8 +42,10 @@ from miles.engines.base import (
     read_safetensors,
     shared_launch_args,
 )
+from miles.placement import torch_device
 from miles.train.logprobs import token_logprobs
 from miles.train.lora import is_adapter_key
+from miles.weight_check import weights_checksum
 from miles.weight_group import Membership, TensorSpec, WeightGroup, receive_bucket
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
@@ -88,7 +90,7 @@ class TorchEngine:
             raise ValueError(
                 f"pause_generation_mode {pause_generation_mode!r}: a push keeps requests: retract or in_place"
             )
-        self.device = torch.device(device)
+        self.device = torch_device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.pad_token_id = self.model.config.pad_token_id or 0
         self.max_running_requests = max_running_requests
@@ -230,6 +232,14 @@ class TorchEngine:
             else:
                 logits = model(input_ids=ids).logits
         return token_logprobs(logits.float(), ids)[0, 1:].tolist()
+
+    def weights_checksum(self) -> str | None:
+        """A sha256 of every base weight served (name and bytes), as SGLang's `/weights_checker` checksums them."""
+        model = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        with self.paused("in_place"):
+            return weights_checksum(
+                (name, tensor) for name, tensor in model.state_dict().items() if "lora_" not in name
+            )
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order, once every request of the call has finished; the requests join whatever the

@@ -22,6 +22,7 @@ from miles.cluster import actor_options
 from miles.config import JudgeConfig, RewardModelConfig, RolloutConfig
 from miles.data.prompts import PromptFormatter
 from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
+from miles.placement import torch_device
 from miles.registry import import_callable
 from miles.rollout.inference_controller import InferenceController
 
@@ -109,7 +110,7 @@ class RewardModelActor:
     def __init__(self, config: RewardModelConfig):
         torch.set_num_threads(config.num_threads)
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = torch_device(config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.tokenizer.padding_side = "right"  # the model reads its score at the last token that is not padding
         if self.tokenizer.pad_token is None:

@@ -34,7 +34,9 @@ from miles.engines.base import (
     RolloutEngine,
     check_adapters_loaded,
 )
+from miles.placement import ColocatedBundles, Location, engine_options, location_of
 from miles.rollout.weight_transport import WeightPush
+from miles.weight_check import WeightProbe
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +53,19 @@ class InferenceController:
     """`rollout.num_engines` engines of kind `rollout.engine`, started from `model_dir` at `weight_version`.
     `adapters` are the LoRA adapters the engines may be asked to serve (an SGLang server sizes its LoRA pool by them)."""
 
-    def __init__(self, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: list[AdapterConfig] = ()):
+    def __init__(
+        self,
+        model_dir: str,
+        weight_version: int,
+        rollout: RolloutConfig,
+        adapters: list[AdapterConfig] = (),
+        colocated: ColocatedBundles | None = None,
+    ):
         self.engine_class = resolve_engine(rollout.engine)
         self._rollout, self._adapter_configs = rollout, list(adapters)
         self._engine_args = self.engine_class.launch_args(model_dir, weight_version, rollout, adapters)
         self.ranks_per_engine = self.engine_class.ranks(rollout)
+        self._colocated = colocated  # engine i in pair i's bundle, else GPUs of its own
         self._engine_options = actor_options(rollout.device, self.ranks_per_engine, ENGINE_CONCURRENCY)
         if self._engine_options.get("num_gpus") and not ray.cluster_resources().get("GPU"):
             # Ray would keep the engines pending, silently, until a GPU joins the cluster.
@@ -65,14 +75,20 @@ class InferenceController:
         self.timeout_s = rollout.engine_timeout_s
         self._weight_version = weight_version
         self._push: WeightPush | None = None  # the last full-weight push, for engines restarted after it
+        self._held: str | None = None  # the trainer's fingerprint of the weights the engines hold (None: unknown)
         self._adapters: dict[str, tuple[ray.ObjectRef, dict, int]] = {}  # name -> (tensors, PEFT config, version)
         # Held by a push or a restart: one at a time, so that a restarted engine is given the weights of the last
         # push that landed. Reentrant: a push whose engine died restarts it.
         self._engines_lock = threading.RLock()
-        self.engines = [self._start_engine() for _ in range(rollout.num_engines)]
+        self.engines = [self._start_engine(i) for i in range(rollout.num_engines)]
 
-    def _start_engine(self) -> ray.actor.ActorHandle:
-        return ray.remote(self.engine_class).options(**self._engine_options).remote(**self._engine_args)
+    def _start_engine(self, index: int) -> ray.actor.ActorHandle:
+        options = engine_options(self._engine_options, index, self._colocated)
+        return ray.remote(self.engine_class).options(**options).remote(**self._engine_args)
+
+    def locations(self) -> list[Location]:
+        """Where each engine runs, as Ray assigned it."""
+        return [location_of(engine) for engine in self.engines]
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Results in request order."""
@@ -180,7 +196,7 @@ class InferenceController:
                 if i not in hung:  # a live actor stops its server first, so the new one finds the GPU memory free
                     _try_shutdown(engine)
                 ray.kill(engine)
-                self.engines[i] = self._start_engine()
+                self.engines[i] = self._start_engine(i)
                 restarted.append(i)
         # A fresh engine holds the weights it was started from: give it the current weights and adapters.
         if restarted and self._push is not None:
@@ -195,6 +211,7 @@ class InferenceController:
                 served = ray.get([self.engines[i].sequence_logprobs.remote(push.probe.token_ids) for i in targets])
                 push.probe.check_all(dict(zip(targets, served, strict=True)), push.version)
             self._push, self._weight_version = push, push.version
+            self._held = push.probe.fingerprint if push.probe is not None else None
         for i in restarted:
             for name, (tensors_ref, config, version) in self._adapters.items():
                 ray.get(self.engines[i].load_adapter.remote(name, tensors_ref, config, version))
@@ -212,13 +229,24 @@ class InferenceController:
             return
         with self._engines_lock:
             engines = range(len(self.engines))
+            before = self._checksums() if push.probe is not None else {}
             results = self._on_engines(push.method, {i: push.engine_args(i) for i in engines}, alongside=push.send)
             push.check(dict(zip(engines, results, strict=True)))
             if push.probe is not None:
+                push.probe.check_moved(self._held, before, self._checksums(), push.version)
                 served = self._on_every_engine(RolloutEngine.sequence_logprobs, push.probe.token_ids)
                 push.probe.check_all(dict(enumerate(served)), push.version)
             self._push, self._weight_version = push, push.version
+            self._held = push.probe.fingerprint if push.probe is not None else None
         push.landed()
+
+    def _checksums(self) -> dict[int, str | None]:
+        return dict(enumerate(self._on_every_engine(RolloutEngine.weights_checksum)))
+
+    def hold(self, probe: WeightProbe) -> None:
+        """The engines serve the weights `probe` was taken of (they started from the trainer's checkpoint): the next
+        push is checked to move them."""
+        self._held = probe.fingerprint
 
     def load_adapter(self, name: str, tensors_ref: ray.ObjectRef, config: dict, version: int) -> None:
         """Load or replace LoRA adapter `name` on every engine as `version`; the other adapters are untouched,
@@ -239,8 +267,8 @@ class InferenceController:
         they served."""
         with self._engines_lock:
             args = self.engine_class.launch_args(model_dir, weight_version, self._rollout, self._adapter_configs)
-            self._engine_args, self._push, self._weight_version = args, None, weight_version
-            self.engines = [self._start_engine() for _ in range(self._rollout.num_engines)]
+            self._engine_args, self._push, self._weight_version, self._held = args, None, weight_version, None
+            self.engines = [self._start_engine(i) for i in range(self._rollout.num_engines)]
             for name, (tensors_ref, config, version) in self._adapters.items():
                 self._on_every_engine(RolloutEngine.load_adapter, name, tensors_ref, config, version)
 

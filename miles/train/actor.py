@@ -23,13 +23,13 @@ from miles.checkpoint import (
     write_checkpoint_from_ranks,
 )
 from miles.config import RunConfig
+from miles.placement import torch_device
 from miles.run_dir import RunDir
 from miles.seeds import train_seed
 from miles.tensor_payload import serialize_named_tensors
-from miles.train.logprobs import token_logprobs
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, join_trainer_group, shard_model
 from miles.train.update import batch_logprobs, set_lr, train_on_rollout, with_kl_reward_coef
-from miles.weight_check import WeightProbe, probe_ids
+from miles.weight_check import WeightProbe, take_probe
 from miles.weight_group import Membership, TensorSpec, WeightGroup, send_bucket
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class TrainActor:
         torch.manual_seed(config.seed)
         self.config = config
         self.rank = rank
-        self.device = torch.device(train.device)
+        self.device = torch_device(train.device)
         self.run_dir = RunDir(config.run_dir)
         if not self.run_dir.path.is_dir():
             raise RuntimeError(
@@ -160,19 +160,10 @@ class TrainActor:
         """What `broadcast_weights` sends, bucket by bucket: (name, dtype, shape) of each tensor."""
         return bucket_specs(self.model, self._bucket_bytes, dtype)
 
-    @torch.no_grad()
-    def weight_probe(self) -> WeightProbe:
-        """The push check of the weights held now (miles.weight_check): their log-probs of the probe sequence, in
-        eval mode; every rank takes part in the forward."""
-        token_ids = probe_ids(self.model.config.vocab_size)
-        training = self.model.training
-        self.model.eval()
-        try:
-            tokens = torch.tensor([token_ids], device=self.device)
-            logprobs = token_logprobs(self.model(input_ids=tokens).logits.float(), tokens)[0, 1:].tolist()
-        finally:
-            self.model.train(training)
-        return WeightProbe(token_ids, logprobs, self.config.rollout.push_check_atol)
+    def weight_probe(self, dtype: str | None = None) -> WeightProbe:
+        """The push check of the weights held now (miles.weight_check), of the weights cast to the served `dtype`
+        (unset: the model's own); every rank takes part."""
+        return take_probe(self.model, self.device, self.config.rollout.push_check_atol, dtype or self.weights_dtype)
 
     def broadcast_weights(self, group: WeightGroup, load_format: str | None, dtype: str | None = None) -> str | None:
         """Rank 0 broadcasts the full weights over the weight-update `group` (joining it first if it is new), a

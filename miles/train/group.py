@@ -3,6 +3,7 @@ a Ray placement group, started as one process group."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.cluster import ActorGroup, free_address
 from miles.config import RunConfig
+from miles.placement import ColocatedBundles, on_gpus
 from miles.train.actor import TrainActor
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -20,22 +22,57 @@ STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 
 def worker_bundle(config: RunConfig) -> dict[str, float]:
     """What one worker reserves: a CPU slot (torch.set_num_threads decides the real threads), and on CUDA a whole GPU
-    each, or a sliver of one for a single worker, so that it can share its GPU with an engine."""
+    (a colocated run's pairs share theirs: miles.placement.ColocatedBundles)."""
     bundle = {"CPU": 1.0}
-    if config.train.device.startswith("cuda"):
-        bundle["GPU"] = 1.0 if config.train.num_workers > 1 else 0.01
+    if on_gpus(config.train.device):
+        bundle["GPU"] = 1.0
     return bundle
 
 
-def start_trainer_group(config: RunConfig, model_dir: Path, checkpoint: Path | None) -> ActorGroup:
+def start_trainer_group(
+    config: RunConfig, model_dir: Path, checkpoint: Path | None, colocated: ColocatedBundles | None = None
+) -> ActorGroup:
     """train.num_workers TrainActors from `checkpoint` (else `model_dir`)."""
-    return start_worker_group(config, TrainActor, str(model_dir), str(checkpoint) if checkpoint else None)
+    return start_worker_group(
+        config, TrainActor, str(model_dir), str(checkpoint) if checkpoint else None, colocated=colocated
+    )
 
 
-def start_worker_group(config: RunConfig, actor_class: type, *args: Any) -> ActorGroup:
+def start_worker_group(
+    config: RunConfig, actor_class: type, *args: Any, colocated: ColocatedBundles | None = None
+) -> ActorGroup:
     """train.num_workers actors `actor_class(config, *args, rank, world_size, rendezvous)`, one per bundle of a
-    placement group (train.placement: pack or spread). A group that cannot be placed is refused with what it asked
-    for; a worker that fails to start fails the group with its error."""
+    placement group of their own (train.placement: pack or spread), or rank i in pair i's bundle of a colocated run.
+    A group that cannot be placed is refused with what it asked for; a worker that fails to start fails the group
+    with its error."""
+    workers = config.train.num_workers
+    on_bundle, release = worker_placement(config, colocated)
+
+    rendezvous = None
+    if config.train.sharded:
+        host, port = ray.get(ray.remote(free_address).options(**on_bundle(0)).remote())
+        rendezvous = f"{host}:{port}"
+    actor = ray.remote(actor_class)
+    handles = [
+        actor.options(max_concurrency=1, **on_bundle(rank)).remote(config, *args, rank, workers, rendezvous)
+        for rank in range(workers)
+    ]
+    trainers = ActorGroup(handles, release=release)
+    try:
+        trainers.results([handle.__ray_ready__.remote() for handle in handles])  # a worker's start error is raised
+    except BaseException:
+        trainers.kill()  # frees the placement group's resources, whatever the group's size
+        raise
+    return trainers
+
+
+def worker_placement(
+    config: RunConfig, colocated: ColocatedBundles | None = None
+) -> tuple[Callable[[int], dict], Callable[[], None] | None]:
+    """Each rank's Ray options, and what releases them: pair i's bundle of a colocated run for rank i (the run holds
+    them), else a placement group of train.num_workers bundles for the group alone."""
+    if colocated is not None:
+        return colocated.options, None
     workers = config.train.num_workers
     bundle = worker_bundle(config)
     group = placement_group([bundle] * workers, strategy=STRATEGIES[config.train.placement])
@@ -51,19 +88,4 @@ def start_worker_group(config: RunConfig, actor_class: type, *args: Any) -> Acto
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
         return {"scheduling_strategy": strategy, "num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
 
-    rendezvous = None
-    if config.train.sharded:
-        host, port = ray.get(ray.remote(free_address).options(**on_bundle(0)).remote())
-        rendezvous = f"{host}:{port}"
-    actor = ray.remote(actor_class)
-    handles = [
-        actor.options(max_concurrency=1, **on_bundle(rank)).remote(config, *args, rank, workers, rendezvous)
-        for rank in range(workers)
-    ]
-    trainers = ActorGroup(handles, release=lambda: remove_placement_group(group))
-    try:
-        trainers.results([handle.__ray_ready__.remote() for handle in handles])  # a worker's start error is raised
-    except BaseException:
-        trainers.kill()  # frees the placement group's resources, whatever the group's size
-        raise
-    return trainers
+    return on_bundle, lambda: remove_placement_group(group)

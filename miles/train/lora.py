@@ -36,6 +36,7 @@ from miles.checkpoint import (
     write_checkpoint_from_ranks,
 )
 from miles.config import AdapterConfig, RunConfig
+from miles.placement import torch_device
 from miles.run_dir import RunDir
 from miles.seeds import adapter_init_seed, train_seed
 from miles.train.sharding import join_trainer_group, shard_model
@@ -95,7 +96,7 @@ class LoRATrainActor:
         torch.set_num_threads(train.num_threads)
         self.config = config
         self.rank = rank
-        self.device = torch.device(train.device)
+        self.device = torch_device(train.device)
         self.base_dir = base_dir
         if train.sharded:
             join_trainer_group(self.device, rendezvous, rank, world_size)

@@ -99,21 +99,17 @@ def weights_directory(model_dir, weights: dict, directory) -> Path:
     return directory
 
 
-def weights_probe(model_dir, weights: dict, atol: float = 0.05):
-    """The push check of `weights` (miles.weight_check), computed here as the trainer computes it."""
+def weights_probe(model_dir, weights: dict, atol: float = 0.05, dtype: str = "float32"):
+    """The push check of `weights` (miles.weight_check), taken here as the trainer takes it, of the weights as
+    served in `dtype`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from miles.train.logprobs import token_logprobs
-    from miles.weight_check import WeightProbe, probe_ids
+    from miles.weight_check import take_probe
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.load_state_dict(weights)
-    token_ids = probe_ids(model.config.vocab_size)
-    tokens = torch.tensor([token_ids])
-    with torch.no_grad():
-        logprobs = token_logprobs(model(input_ids=tokens).logits, tokens)[0, 1:].tolist()
-    return WeightProbe(token_ids, logprobs, atol)
+    return take_probe(model, torch.device("cpu"), atol, dtype)
 
 
 def weights_push(rollout, model_dir, weights: dict, version: int, directory):

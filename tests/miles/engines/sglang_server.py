@@ -424,6 +424,13 @@ class StandInServer:
             rows = parameters[name].detach().to(torch.float32).tolist()
         return JSONResponse(rows[: body.get("truncate_size", 100)])
 
+    def check_weights(self, body: dict) -> JSONResponse:
+        """SGLang's `/weights_checker` with action checksum: a digest of every weight (the others are not played)."""
+        if body.get("action", "checksum") != "checksum":
+            return JSONResponse({"success": False, "message": f"Unsupported action={body['action']!r}"}, 400)
+        checksum = self.engine.weights_checksum()
+        return JSONResponse({"success": True, "message": "Success.", "ranks": [], "per_engine_checksum": checksum})
+
     def load_lora(self, body: dict) -> JSONResponse:
         name, path = body["lora_name"], body["lora_path"]
         if not self.args.enable_lora:
@@ -598,6 +605,10 @@ def build_app(server: StandInServer) -> FastAPI:
     def get_weights_by_name(body: dict):
         return server.weights_by_name(body)
 
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    def weights_checker(body: dict):
+        return server.check_weights(body)
+
     @app.post("/load_lora_adapter")
     def load_lora_adapter(body: dict):
         return server.load_lora(body)
@@ -628,6 +639,7 @@ def main() -> None:
     parser.add_argument("--max-loras-per-batch", type=int, default=8)
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--max-running-requests", type=int)
+    parser.add_argument("--sleep-on-idle", action="store_true")
     args = parser.parse_args()
     if args.enable_deterministic_inference and args.attention_backend == "torch_native":
         parser.error("--enable-deterministic-inference is not supported with --attention-backend torch_native")

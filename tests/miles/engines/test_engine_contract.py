@@ -67,15 +67,20 @@ def test_a_transport_the_engine_does_not_take_is_named():
 
 
 CUDA_BOTH = ["rollout.device=cuda", "train.device=cuda"]
+COLOCATED = [*CUDA_BOTH, "rollout.colocate=true"]
 
 
 @pytest.mark.parametrize(
     "overrides, transport",
     [
-        (["rollout.engine=sglang", *CUDA_BOTH], "tensor"),  # one GPU per server: beside the trainer's rank 0
-        (["rollout.engine=sglang", *CUDA_BOTH, "rollout.sglang.tp_size=2"], "disk"),  # whole GPUs of its own
+        (["rollout.engine=sglang", *CUDA_BOTH], "distributed"),  # GPUs of their own: a broadcast over NCCL
+        (["rollout.engine=sglang", *CUDA_BOTH, "rollout.sglang.tp_size=2"], "distributed"),
         (["rollout.engine=sglang", "rollout.device=cuda"], "disk"),  # a CPU trainer
-        ([*CUDA_BOTH], "object_store"),  # the TorchEngine takes no tensor payloads
+        ([*CUDA_BOTH], "distributed"),
+        (["rollout.engine=sglang", *COLOCATED], "tensor"),  # on trainer rank 0's GPU: CUDA IPC
+        # engine 1 is on rank 1's GPU, which rank 0's handles do not reach, and engine 0 on rank 0's (no NCCL)
+        (["rollout.engine=sglang", *COLOCATED, "rollout.num_engines=2", "train.num_workers=2"], "disk"),
+        ([*COLOCATED], "object_store"),  # the TorchEngine takes no tensor payloads
     ],
 )
 def test_the_default_transport_follows_the_placement(overrides, transport):
@@ -87,23 +92,32 @@ def test_the_default_transport_follows_the_placement(overrides, transport):
     "overrides, message",
     [
         (
-            ["rollout.engine=sglang", *CUDA_BOTH, "rollout.weight_transport=distributed"],
-            r"rollout.weight_transport=distributed: with rollout.device=cuda, train.device=cuda and one GPU per "
-            r"engine, the engines share GPUs with the trainer's rank 0, and NCCL refuses a group with two ranks on "
-            r"one GPU; use tensor",
+            ["rollout.engine=sglang", *COLOCATED, "rollout.weight_transport=distributed"],
+            r"rollout.weight_transport=distributed: with rollout.device=cuda, train.device=cuda, rollout.colocate=True, "
+            r"engine 0 shares trainer rank 0's GPU, and NCCL refuses a group with two ranks on one GPU; use tensor",
         ),
         (
-            [*CUDA_BOTH, "rollout.weight_transport=distributed"],
-            r"NCCL refuses a group with two ranks on one GPU; use object_store",
+            ["rollout.engine=sglang", *CUDA_BOTH, "rollout.weight_transport=tensor"],
+            r"CUDA IPC handles to trainer rank 0's memory, which only an engine on rank 0's GPU can map; .* the "
+            r"engines are on other GPUs: use distributed",
         ),
         (
             ["rollout.engine=sglang", "rollout.sglang.tp_size=2", "rollout.weight_transport=tensor"],
             r"rollout.weight_transport=tensor sends one payload per bucket, for an engine of one GPU: "
             r"rollout.sglang.tp_size=2",
         ),
+        (["rollout.colocate=true"], r"rollout.colocate=true .* needs rollout.device and train.device on cuda"),
+        (
+            [*COLOCATED, "rollout.num_engines=2"],
+            r"rollout.num_engines=2 must equal train.num_workers=1",
+        ),
+        (
+            ["rollout.engine=sglang", *COLOCATED, "rollout.sglang.tp_size=2"],
+            r"an engine of 2 GPUs \(rollout.sglang.tp_size\) cannot be colocated",
+        ),
     ],
 )
-def test_an_impossible_transport_is_refused_naming_the_fields(overrides, message):
+def test_an_impossible_transport_or_placement_is_refused_naming_the_fields(overrides, message):
     config = load_config(None, overrides)
     with pytest.raises(ValueError, match=message):
         weight_transport(config.rollout, config.train)

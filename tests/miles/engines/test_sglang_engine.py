@@ -19,9 +19,9 @@ import ray
 import torch
 from safetensors.torch import save_file
 
-from miles.config import SGLangConfig
+from miles.config import SGLangConfig, load_config
 from miles.engines.base import EngineUnavailable, GenerateRequest, SamplingParams
-from miles.engines.sglang_engine import SGLangEngine, token_versions
+from miles.engines.sglang_engine import SGLangEngine, choose_attention_backend, token_versions
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import FLATTENED
 from tasks.retries import NOT_RETRIED
@@ -377,3 +377,33 @@ def test_a_push_mid_generation_continues_the_requests_on_the_new_weights(tiny_mo
     split = [v for v in versions if v[0] == 3 and v[-1] == 4]
     assert split and all(v == sorted(v) for v in split)
     assert all(o["meta_info"]["weight_version"] == "4" for o, v in zip(outputs, versions, strict=True) if v[-1] == 4)
+
+
+@pytest.mark.parametrize(
+    "device, dtype, asked, chosen",
+    [
+        ("cpu", "float32", None, "torch_native"),  # SGLang's CPU default needs kernels that are not published
+        ("cuda", "float32", None, "triton"),  # FlashAttention 3, Hopper's default, takes 16-bit dtypes only
+        ("cuda", "bfloat16", None, None),  # SGLang's own choice
+        ("cuda", "float32", "triton", "triton"),
+        ("cuda", "bfloat16", "fa3", "fa3"),
+    ],
+)
+def test_the_attention_backend_follows_the_device_and_the_served_dtype(device, dtype, asked, chosen):
+    assert choose_attention_backend(SGLangConfig(attention_backend=asked), device, dtype) == chosen
+
+
+def test_float32_on_a_gpu_backend_that_refuses_it_is_refused_before_any_server_starts(tiny_model_dir):
+    config = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "rollout.engine=sglang",
+            "rollout.device=cuda",
+            "rollout.sglang.attention_backend=fa3",
+        ],
+    )
+    with pytest.raises(
+        ValueError, match=r"attention_backend=fa3 takes 16-bit weights only, and rollout.dtype serves float32"
+    ):
+        SGLangEngine.launch_args(str(tiny_model_dir), 0, config.rollout, [])
