@@ -335,10 +335,12 @@ class RolloutConfig(_Section):
         "of its own (rollout.sglang.tp_size), apart from the trainer's",
     )
     push_check_atol: float = Field(
-        0.05,
+        0.15,
         gt=0,
-        description="a weight push has landed when each engine's log-probs of a fixed 16-token sequence are within "
-        "this of the trainer's (mean absolute difference per token; miles.weight_check)",
+        description="a weight push has landed when each engine's log-probs of the model's own greedy 16-token "
+        "sequence are within this of the trainer's (mean absolute difference per token; a real bf16 model served "
+        "by SGLang differs by about 0.035) and the engine's weights checksum moved with the trainer's "
+        "(miles.weight_check)",
     )
     sglang: SGLangConfig = SGLangConfig()
     env: str | None = Field(

@@ -83,6 +83,8 @@ class WeightProbe:
 def take_probe(model: torch.nn.Module, device: torch.device, atol: float, dtype: str) -> WeightProbe:
     """The trainer's side of the push check of `model`'s weights as served in `dtype`: its greedy continuation of
     PROBE_START with the log-probs, in eval mode, and the fingerprint. Every rank of a sharded model calls it."""
+    from torch.distributed.fsdp import FSDPModule
+
     from miles.train.logprobs import token_logprobs
 
     training = model.training
@@ -95,6 +97,8 @@ def take_probe(model: torch.nn.Module, device: torch.device, atol: float, dtype:
         logprobs = token_logprobs(model(input_ids=tokens).logits.float(), tokens)[0, 1:].tolist()
     finally:
         model.train(training)
+        if isinstance(model, FSDPModule):  # a forward with no backward leaves the root's parameters gathered
+            model.reshard()
     return WeightProbe(tokens[0].tolist(), logprobs, atol, model_fingerprint(model, dtype))
 
 

@@ -28,6 +28,7 @@ flow_run() {  # flow_run <engine> [--set ...]: 10 rollouts of 512 samples, then 
   started=$(date +%s)
   "$PY" -m flows.cli run sync --run-dir "$run_dir" --num-rollout 10 --set rollout.engine="$engine" \
     --set rollout.device=cuda --set train.device=cuda --set model.warmup.max_steps=200 "$@"
+  "$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['starts'][-1]['placement'])" "$run_dir/run.json"
   echo "sync flow with the $engine engine, 10 rollouts on CUDA: $(( $(date +%s) - started )) s wall (start-up included)"
   "$PY" - "$run_dir/metrics.jsonl" "$engine" <<'EOF'
 import json, sys
@@ -39,19 +40,20 @@ print(f"{sys.argv[2]} engine in the flow: {tokens / sum(r['time_generate'] for r
 EOF
 }
 
-flow_run torch
+# On one GPU the engine shares it with the trainer (colocated); with two, each has its own and the weights go over
+# NCCL (the placement's transport).
+flow_run torch --set rollout.colocate=true
 # The trainer as one FSDP2 worker computing in bfloat16 (NCCL process group of one), the engine in float32.
-flow_run torch --set train.sharding=fsdp --set train.param_dtype=bfloat16
-# On one GPU the engines share it with the trainer, where NCCL refuses a weight-update group (two ranks on one
-# device): the broadcast runs only where there is a GPU for each.
+flow_run torch --set rollout.colocate=true --set train.sharding=fsdp --set train.param_dtype=bfloat16
 if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  flow_run torch --set rollout.weight_transport=distributed
+  flow_run torch
 fi
 SGLANG_PYTHON=${SGLANG_PYTHON:-$PWD/.venv-sglang/bin/python}
 if [ -x "$SGLANG_PYTHON" ] && "$SGLANG_PYTHON" -c "import sglang" 2>/dev/null; then
   # The trainer shares the GPU: SGLang takes a part of the memory only, and maps the trainer's weights (the tensor
   # transport, CUDA IPC: the default for this placement).
-  flow_run sglang --set rollout.sglang.python="$SGLANG_PYTHON" --set rollout.sglang.mem_fraction_static=0.5
+  flow_run sglang --set rollout.sglang.python="$SGLANG_PYTHON" --set rollout.colocate=true \
+    --set rollout.sglang.mem_fraction_static=0.5
 else
   echo "no SGLang at $SGLANG_PYTHON (make install-gpu): the SGLang flow run is skipped"
 fi

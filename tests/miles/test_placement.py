@@ -57,13 +57,13 @@ def test_runs_on_a_simulated_8_gpu_node_place_engines_on_distinct_gpus_or_pair_t
         return [gpu for location in locations for gpu in location["gpu_ids"]]
 
     apart = report["apart"]
-    engines, trainer = gpus(apart["placement"]["engines"]), gpus(apart["placement"]["trainer"])
+    engines, trainer = gpus(apart["placement"]["engines"]), gpus(apart["placement"]["trainers"]["policy"])
     assert len(engines) == 4 and len(set(engines)) == 4  # one whole GPU each, never stacked
     assert len(set(trainer)) == 2 and not set(trainer) & set(engines)
     assert apart["placement"]["transport"] == "distributed" and apart["trained"] == [0, 1]
 
     colocated = report["colocated"]
-    engines, trainer = gpus(colocated["placement"]["engines"]), gpus(colocated["placement"]["trainer"])
+    engines, trainer = gpus(colocated["placement"]["engines"]), gpus(colocated["placement"]["trainers"]["policy"])
     assert engines == trainer and len(set(engines)) == 2  # engine i on trainer rank i's GPU, the pairs apart
     assert colocated["placement"]["colocated"] and colocated["trained"] == [0, 1]
 
@@ -73,3 +73,87 @@ def test_runs_on_a_simulated_8_gpu_node_place_engines_on_distinct_gpus_or_pair_t
     every = engines + [gpu for ranks in groups.values() for gpu in ranks]
     assert len(engines) == 2 and len(groups) == 2 and len(set(every)) == len(every) == 4
     assert multi_lora["trained"] == {"add": 2, "sub": 2}
+
+
+SGLANG_CUDA = ["rollout.engine=sglang", "rollout.device=cuda", "train.device=cuda"]
+TWO_GROUPS = (
+    "adapters=[{name: add, data: {task: addition}, trainer_group: first},"
+    " {name: sub, data: {task: subtraction}, trainer_group: second}]"
+)
+CASES = {
+    # every shipped config, on the topology its comment names
+    "math-qwen2.5-7b-instruct": ([1, 8], "deployments/configs/math-qwen2.5-7b-instruct.yaml", []),
+    "gsm8k-qwen2.5-1.5b-instruct": ([1, 1], "deployments/configs/gsm8k-qwen2.5-1.5b-instruct.yaml", []),
+    "tiny": ([1, 0], "deployments/configs/tiny.yaml", []),
+    "calculator": ([1, 0], "deployments/configs/calculator.yaml", []),
+    # the topologies users run
+    "2 GPUs": ([1, 2], None, SGLANG_CUDA),
+    "8 GPUs, tp 1": ([1, 8], None, [*SGLANG_CUDA, "rollout.num_engines=6", "train.num_workers=2"]),
+    "8 GPUs, tp 2": ([1, 8], None, [*SGLANG_CUDA, "rollout.num_engines=3", "rollout.sglang.tp_size=2", "train.num_workers=2"]),
+    "2x8 GPUs": ([2, 8], None, [*SGLANG_CUDA, "rollout.num_engines=4", "rollout.sglang.tp_size=2", "train.num_workers=8", "train.placement=spread"]),
+    "8 GPUs, colocated": ([1, 8], None, [*SGLANG_CUDA, "rollout.colocate=true", "rollout.num_engines=8", "train.num_workers=8"]),
+    "multi-LoRA, two trainer groups": ([1, 8], None, [*SGLANG_CUDA, TWO_GROUPS, "rollout.num_engines=2", "train.num_workers=2"]),
+    "a critic": ([1, 8], None, [*SGLANG_CUDA, "algo.advantage_estimator=gae", "critic.num_workers=2", "train.num_workers=2", "rollout.num_engines=2"]),
+    "too few GPUs": ([1, 1], None, SGLANG_CUDA),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, dict]:
+    """Every case of CASES planned on its simulated cluster (one cluster per shape, in a process of its own)."""
+    cases = [{"shape": shape, "config": path, "overrides": overrides} for shape, path, overrides in CASES.values()]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.plans"],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(CASES, json.loads(done.stdout.strip().splitlines()[-1]), strict=True))
+
+
+def _gpus(locations: list[dict]) -> list[tuple[str, str]]:
+    """(node, GPU id) of every GPU the actors hold; CUDA_VISIBLE_DEVICES is exactly what Ray assigned."""
+    for location in locations:
+        assert location["cuda_visible_devices"] == (",".join(location["gpu_ids"]) or None)
+    return [(location["node_id"], gpu) for location in locations for gpu in location["gpu_ids"]]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "too few GPUs"])
+def test_each_topology_plans_engines_on_gpus_of_their_own_or_paired(plans, case):
+    assert "refused" not in plans[case], plans[case].get("refused")
+    record = plans[case]["record"]
+    overrides = CASES[case][2]
+    engines = [_gpus([engine]) for engine in record["engines"]]
+    trainers = {name: [_gpus([rank]) for rank in ranks] for name, ranks in record["trainers"].items()}
+    everyone = [gpu for held in engines for gpu in held] + [
+        gpu for ranks in trainers.values() for held in ranks for gpu in held
+    ]
+    if record["colocated"]:
+        assert [held for held in engines] == trainers["policy"]  # engine i on trainer rank i's GPU
+        assert len(set(everyone)) == len(engines)
+        assert record["transport"] == ("tensor" if len(engines) == 1 else "disk")
+    else:
+        assert len(set(everyone)) == len(everyone)  # no GPU held twice
+        if everyone:
+            assert record["transport"] == "distributed"
+    tp = next((int(o.split("=")[1]) for o in overrides if o.startswith("rollout.sglang.tp_size=")), 1)
+    assert all(len(held) == (tp if everyone else 0) for held in engines)
+
+
+def test_the_plans_place_as_asked_across_nodes_groups_and_the_critic(plans):
+    across = plans["2x8 GPUs"]["record"]
+    every = across["engines"] + across["trainers"]["policy"]
+    assert len({node for held in every for node, _ in _gpus([held])}) == 2 and len(_gpus(every)) == 16
+    assert set(plans["multi-LoRA, two trainer groups"]["record"]["trainers"]) == {"first", "second"}
+    assert set(plans["a critic"]["record"]["trainers"]) == {"policy", "critic"}
+    assert plans["gsm8k-qwen2.5-1.5b-instruct"]["record"]["transport"] == "tensor"
+
+
+def test_a_run_that_needs_more_gpus_than_the_cluster_has_is_refused_naming_them(plans):
+    assert plans["too few GPUs"]["refused"] == (
+        "the run asks for 2 GPUs (1 engines of 1, trainer groups policy: 1, rollout.colocate=False); the Ray cluster "
+        "has 1"
+    )

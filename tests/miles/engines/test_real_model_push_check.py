@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from miles.config import SGLangConfig
+from miles.config import RolloutConfig, SGLangConfig
 from miles.engines.sglang_engine import SGLangEngine
 from miles.tensor_payload import serialize_named_tensors
 from miles.weight_check import WeightProbe
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.sglang_contract
 
 REAL_PYTHON = os.environ.get("MILES_SGLANG_PYTHON")
 LR = 1e-6
-PUSH_CHECK_ATOL = 0.15  # the default rollout.push_check_atol
+PUSH_CHECK_ATOL = RolloutConfig().push_check_atol
 
 
 @pytest.fixture(scope="module")
