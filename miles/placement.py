@@ -341,11 +341,13 @@ def _locations(handles: list, what: str, options: dict | None) -> list[Location]
 def simulated_cluster(nodes: int, gpus_per_node: int, cpus_per_node: int = 16) -> Iterator[str]:
     """A Ray cluster of `nodes` nodes on this machine that declare `gpus_per_node` GPUs each, which do not exist: Ray's
     GPU accounting, placement groups and CUDA_VISIBLE_DEVICES are real, torch runs on the CPU (SIMULATED_GPUS, set
-    before the nodes start so that their workers inherit it). Yields its address."""
+    before the nodes start so that their workers inherit it), and Ray's token authentication is off, as a cluster of
+    one machine for one process needs. Yields its address."""
     from ray.cluster_utils import Cluster
 
-    saved = os.environ.get(SIMULATED_GPUS)
-    os.environ[SIMULATED_GPUS] = "1"
+    changes = {SIMULATED_GPUS: "1", "RAY_AUTH_MODE": "disabled"}  # a cluster of this machine alone, for this process
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "num_gpus": gpus_per_node})
     try:
         for _ in range(nodes - 1):
@@ -354,10 +356,11 @@ def simulated_cluster(nodes: int, gpus_per_node: int, cpus_per_node: int = 16) -
         yield cluster.address
     finally:
         cluster.shutdown()
-        if saved is None:
-            os.environ.pop(SIMULATED_GPUS, None)
-        else:
-            os.environ[SIMULATED_GPUS] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class ColocatedBundles:

@@ -89,3 +89,22 @@ def test_cli_runs_the_flow_with_a_project_local_prefect_home(tmp_path, tiny_mode
     assert "rollout 1/2  reward" in out.stdout and "rollout 2/2  reward" in out.stdout
     assert (tmp_path / ".prefect" / "prefect.db").exists()
     assert [r["rollout_id"] for r in RunDir(tmp_path / "run").metrics()] == [0, 1]
+
+
+def test_plan_prints_where_each_actor_lands_on_a_simulated_node_and_refuses_what_cannot_fit(tmp_path):
+    config = PROJECT / "deployments/configs/math-qwen2.5-7b-instruct.yaml"
+    out = _miles("plan", "--config", str(config), "--simulate", "1x8", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].split() == ["actor", "node", "GPUs", "CUDA_VISIBLE_DEVICES"]
+    rows = [line.split() for line in lines[1:-1]]
+    actors = [" ".join(row[:-3]) for row in rows]
+    assert actors == [f"policy rank {i}" for i in range(4)] + [f"engine {i}" for i in range(4)]
+    gpus = [row[-2] for row in rows]
+    assert sorted(gpus) == [str(i) for i in range(8)]  # one GPU each, never two actors on one
+    assert [row[-1] for row in rows] == gpus  # CUDA_VISIBLE_DEVICES as Ray assigned
+    assert lines[-1] == "engines on GPUs of their own; weights reach the engines by distributed"
+
+    out = _miles("plan", "--config", str(config), "--simulate", "1x4", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "the run asks for 8 GPUs (4 engines of 1, trainer groups policy: 4, rollout.colocate=False)" in out.stderr
