@@ -70,6 +70,12 @@ class SGLangEngine:
     ) -> dict[str, Any]:
         dtype = cls.served_dtype(model_dir, rollout)
         choose_attention_backend(rollout.sglang, rollout.device, dtype)  # refused here, before any server starts
+        if rollout.colocate and rollout.sglang.mem_fraction_static is None:
+            raise ValueError(
+                "rollout.colocate=true: set rollout.sglang.mem_fraction_static (the share of the GPU the server takes "
+                "for its weights and KV cache, e.g. 0.5): the engines start before the trainer, and a server left to "
+                "its default sizes its KV cache from the free memory it sees, which the trainer then needs"
+            )
         args = {
             **shared_launch_args(model_dir, weight_version, rollout, dtype),
             "config": rollout.sglang,
@@ -115,60 +121,11 @@ class SGLangEngine:
         self.url = f"http://127.0.0.1:{port}"
         self.timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
-        config = self.config
         on_cpu = device == "cpu"
-        command = [
-            config.python or sys.executable,
-            "-m",
-            config.server_module,
-            "--model-path",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            device.split(":")[0],
-            "--tp-size",
-            str(config.tp_size),
-            "--weight-version",
-            str(weight_version),
-            # explicit: SGLang's `auto` serves an fp32 checkpoint in fp16
-            "--dtype",
-            dtype,
-            "--enable-metrics",  # /metrics: its counters of finished requests are the engine's progress
-        ]
-        attention_backend = choose_attention_backend(config, device, dtype)
-        if attention_backend is not None:
-            command += ["--attention-backend", attention_backend]
-        if on_cpu:  # else its scheduler polls for requests while idle, a whole core taken from the trainer beside it
-            command.append("--sleep-on-idle")
-        max_total_tokens = config.max_total_tokens or (CPU_KV_CACHE_TOKENS if on_cpu else None)
-        if max_total_tokens is not None:
-            command += ["--max-total-tokens", str(max_total_tokens)]
-        if max_running_requests is not None:
-            command += ["--max-running-requests", str(max_running_requests)]
-        if config.mem_fraction_static is not None:
-            command += ["--mem-fraction-static", str(config.mem_fraction_static)]
-        if lora_rank is not None:
-            command += [
-                "--enable-lora",
-                "--max-lora-rank",
-                str(lora_rank),
-                "--max-loras-per-batch",
-                str(config.max_loras_per_batch),
-                "--lora-target-modules",
-                *(lora_target_modules or []),
-            ]
-        if config.deterministic_inference and attention_backend not in NONDETERMINISTIC_BACKENDS:
-            command.append("--enable-deterministic-inference")
-        elif config.deterministic_inference:
-            log.warning(
-                "sglang: --attention-backend %s does not allow --enable-deterministic-inference; sampling_seed is not "
-                "honoured, so a retried rollout samples other tokens",
-                attention_backend,
-            )
-        command += config.extra_args
+        command = launch_command(
+            model_dir, port, weight_version, device, dtype, self.config, lora_rank, lora_target_modules,
+            max_running_requests,
+        )  # fmt: skip
         # SGLang's CPU engine is chosen by this variable; without it `--device cpu` still reaches CUDA-only kernels.
         environment = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"} if on_cpu else None
         with open(self._log_path, "ab") as server_log:
@@ -447,6 +404,73 @@ class SGLangEngine:
                 self._process.wait()
         self._http.close()
         shutil.rmtree(self._work_dir, ignore_errors=True)
+
+
+def launch_command(
+    model_dir: str,
+    port: int,
+    weight_version: int,
+    device: str,
+    dtype: str,
+    config: SGLangConfig,
+    lora_rank: int | None = None,
+    lora_target_modules: list[str] | None = None,
+    max_running_requests: int | None = None,
+) -> list[str]:
+    """The `python -m sglang.launch_server ...` command of one engine's server, bound to 127.0.0.1 on `port`."""
+    on_cpu = device == "cpu"
+    command = [
+        config.python or sys.executable,
+        "-m",
+        config.server_module,
+        "--model-path",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        device.split(":")[0],
+        "--tp-size",
+        str(config.tp_size),
+        "--weight-version",
+        str(weight_version),
+        # explicit: SGLang's `auto` serves an fp32 checkpoint in fp16
+        "--dtype",
+        dtype,
+        "--enable-metrics",  # /metrics: its counters of finished requests are the engine's progress
+    ]
+    attention_backend = choose_attention_backend(config, device, dtype)
+    if attention_backend is not None:
+        command += ["--attention-backend", attention_backend]
+    if on_cpu:  # else its scheduler polls for requests while idle, a whole core taken from the trainer beside it
+        command.append("--sleep-on-idle")
+    max_total_tokens = config.max_total_tokens or (CPU_KV_CACHE_TOKENS if on_cpu else None)
+    if max_total_tokens is not None:
+        command += ["--max-total-tokens", str(max_total_tokens)]
+    if max_running_requests is not None:
+        command += ["--max-running-requests", str(max_running_requests)]
+    if config.mem_fraction_static is not None:
+        command += ["--mem-fraction-static", str(config.mem_fraction_static)]
+    if lora_rank is not None:
+        command += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(lora_rank),
+            "--max-loras-per-batch",
+            str(config.max_loras_per_batch),
+            "--lora-target-modules",
+            *(lora_target_modules or []),
+        ]
+    if config.deterministic_inference and attention_backend not in NONDETERMINISTIC_BACKENDS:
+        command.append("--enable-deterministic-inference")
+    elif config.deterministic_inference:
+        log.warning(
+            "sglang: --attention-backend %s does not allow --enable-deterministic-inference; sampling_seed is not "
+            "honoured, so a retried rollout samples other tokens",
+            attention_backend,
+        )
+    return command + config.extra_args
 
 
 def choose_attention_backend(config: SGLangConfig, device: str, dtype: str) -> str | None:

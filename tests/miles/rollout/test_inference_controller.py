@@ -279,6 +279,35 @@ def test_a_server_that_dies_loading_weights_is_restarted_and_the_retried_push_la
         controller.shutdown()
 
 
+def test_a_push_whose_weights_the_server_skips_is_refused_as_lost_and_a_whole_one_lands(
+    ray_session, tiny_model_dir, tmp_path
+):
+    """Pins the push check's first half through the controller: the engines started from the trainer's weights
+    (`hold`); a push whose tensor names the server does not know (skipped, the load still succeeds) leaves its
+    checksum as it was while the trainer's fingerprint moved: refused, naming the engine; the same weights under the
+    right names land."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.rollout.weight_transport import DiskPush
+    from tests.helpers import weights_directory, weights_probe
+
+    rollout = load_config(None, ["rollout.num_threads=1", *sglang_overrides()]).rollout
+    controller = InferenceController(str(tiny_model_dir), 0, rollout)
+    try:
+        start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+        controller.hold(weights_probe(tiny_model_dir, start))
+        weights = perturbed_weights(tiny_model_dir, 13, 1e-3)  # a step too small for the log-probs to tell
+        probe = weights_probe(tiny_model_dir, weights)
+        prefixed = {f"module.{name}": tensor for name, tensor in weights.items()}
+        lost = DiskPush(weights_directory(tiny_model_dir, prefixed, tmp_path / "lost"), 1, probe)
+        with pytest.raises(ValueError, match=r"engines \[0\] reported weights version 1 loaded, but the weights they"):
+            controller.update_weights(lost)
+        controller.update_weights(DiskPush(weights_directory(tiny_model_dir, weights, tmp_path / "1"), 1, probe))
+        assert controller.weight_version() == 1
+    finally:
+        controller.shutdown()
+
+
 def test_an_engine_that_cannot_start_reports_why(ray_session, tiny_model_dir, tokenizer):
     rollout = load_config(None, [*sglang_overrides(), "rollout.sglang.extra_args=[--no-such-flag]"]).rollout
     controller = InferenceController(str(tiny_model_dir), 0, rollout)
