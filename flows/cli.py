@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
         help="plan on a Ray cluster of this shape started here with GPUs that do not exist (e.g. 1x8, 2x8), instead "
         "of the cluster the config's ray_address names (or a new local one)",
     )
+    plan.add_argument(
+        "--gpu-memory-gib", type=float, default=80.0, help="memory of each GPU, for the budget (default: 80, an H100)"
+    )
     tenant = commands.add_parser("tenant", help="submit, withdraw or list the adapters of a multi-LoRA run")
     actions = tenant.add_subparsers(dest="action", required=True)
     submit = actions.add_parser("submit", help="add an adapter; it joins the run at its next iteration boundary")
@@ -136,6 +139,28 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     print(record.table())
+    return _memory_budget(config, args.gpu_memory_gib)
+
+
+def _memory_budget(config, gpu_gib: float) -> int:
+    """The memory each GPU holds (miles.memory_budget), where the run is on GPUs and its model's config.json is here."""
+    from pathlib import Path
+
+    from miles.memory_budget import ModelShape, budget
+
+    if not (config.rollout.device.startswith("cuda") or config.train.device.startswith("cuda")):
+        return 0
+    model_dir = Path(config.model.path) if config.model.path else None
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        print(f"memory: no budget, model.path={config.model.path} has no config.json here")
+        return 0
+    try:
+        gpus = budget(config, ModelShape.read(model_dir), gpu_gib)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for gpu in gpus:
+        print(f"memory, {gpu.describe(gpu_gib * 2**30)}")
     return 0
 
 

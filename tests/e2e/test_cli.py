@@ -92,10 +92,22 @@ def test_cli_runs_the_flow_with_a_project_local_prefect_home(tmp_path, tiny_mode
 
 
 def test_plan_prints_where_each_actor_lands_on_a_simulated_node_and_refuses_what_cannot_fit(tmp_path):
+    from transformers import Qwen2Config
+
     config = PROJECT / "deployments/configs/math-qwen2.5-7b-instruct.yaml"
-    out = _miles("plan", "--config", str(config), "--simulate", "1x8", cwd=tmp_path)
+    qwen_7b = Qwen2Config(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, tie_word_embeddings=False, dtype="bfloat16",
+    )  # fmt: skip
+    qwen_7b.save_pretrained(tmp_path / "qwen")  # Qwen2.5-7B-Instruct's config.json, without its weights
+    model = f"model.path={tmp_path / 'qwen'}"
+    out = _miles("plan", "--config", str(config), "--simulate", "1x8", "--set", model, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()
+    *lines, trainer, engine = out.stdout.strip().splitlines()
+    assert trainer.startswith(
+        "memory, trainer rank: 41.5 of 80 GiB (master weights 7.1, gradients 7.1, Adam moments 14.2"
+    )
+    assert engine == "memory, engine (and the KV cache SGLang sizes at start): 14.2 of 80 GiB (engine weights 14.2)"
     assert lines[0].split() == ["actor", "node", "GPUs", "CUDA_VISIBLE_DEVICES"]
     rows = [line.split() for line in lines[1:-1]]
     actors = [" ".join(row[:-3]) for row in rows]
@@ -108,3 +120,9 @@ def test_plan_prints_where_each_actor_lands_on_a_simulated_node_and_refuses_what
     out = _miles("plan", "--config", str(config), "--simulate", "1x4", cwd=tmp_path)
     assert out.returncode == 2
     assert "the run asks for 8 GPUs (4 engines of 1, trainer groups policy: 4, rollout.colocate=False)" in out.stderr
+
+    out = _miles(
+        "plan", "--config", str(config), "--simulate", "1x8", "--set", model, "--gpu-memory-gib", "40", cwd=tmp_path
+    )
+    assert out.returncode == 2
+    assert "trainer rank: 41.5 of 40 GiB" in out.stderr and "does not fit in 90% of the GPU" in out.stderr
