@@ -20,7 +20,7 @@ from miles.engines.torch_engine import TorchEngine
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
 from miles.train.logprobs import token_logprobs
-from tests.helpers.instruct_model import questions, write_gsm8k_data
+from tests.helpers.instruct_model import chat_data_overrides, questions, write_gsm8k_data
 
 
 def _chat_requests(tokenizer, count: int) -> list[GenerateRequest]:
@@ -78,12 +78,7 @@ def test_flows_train_a_bf16_chat_model_and_keep_its_dtype(ray_session, prefect_a
     config = load_config(
         None,
         [
-            f"model.path={instruct_model_dir}",
-            "data.task=null",
-            f"data.path={data}",
-            "data.prompt_key=messages",
-            "data.label_key=answer",
-            "data.reward=gsm8k",
+            *chat_data_overrides(instruct_model_dir, data),
             "rollout.rollout_batch_size=4",
             "rollout.n_samples_per_prompt=4",
             "rollout.max_new_tokens=16",

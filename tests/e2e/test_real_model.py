@@ -13,7 +13,7 @@ from flows.sync_rl import sync_rl
 from miles.config import load_config
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir
-from tests.helpers.instruct_model import write_gsm8k_data
+from tests.helpers.instruct_model import chat_data_overrides, write_gsm8k_data
 
 REAL_PYTHON = os.environ.get("MILES_SGLANG_PYTHON")
 
@@ -26,12 +26,7 @@ def test_the_sync_flow_trains_a_real_bf16_model_through_real_pushes(ray_session,
     config = load_config(
         None,
         [
-            f"model.path={real_model_dir}",
-            "data.task=null",
-            f"data.path={data}",
-            "data.prompt_key=messages",
-            "data.label_key=answer",
-            "data.reward=gsm8k",
+            *chat_data_overrides(real_model_dir, data),
             "rollout.engine=sglang",
             f"rollout.sglang.python={REAL_PYTHON}",
             "rollout.sglang.startup_timeout_s=300",

@@ -41,6 +41,18 @@ def write_gsm8k_data(path: Path, count: int, seed: int = 0) -> Path:
     return path
 
 
+def chat_data_overrides(model_dir: Path, data: Path) -> list[str]:
+    """A run of `model_dir` on the chat data set `write_gsm8k_data` wrote, scored by the gsm8k reward."""
+    return [
+        f"model.path={model_dir}",
+        "data.task=null",
+        f"data.path={data}",
+        "data.prompt_key=messages",
+        "data.label_key=answer",
+        "data.reward=gsm8k",
+    ]
+
+
 def _corpus(rng: random.Random) -> list[str]:
     """Text with enough distinct pairs for 32k merges: pseudo-words over a-z, each repeated, plus the words and
     numbers the questions use."""

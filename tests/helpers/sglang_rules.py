@@ -77,7 +77,6 @@ def install_h100(device_count: int) -> None:
     are cleared so that they ask again. Installed after SGLang's modules are imported, so that the kernels they load
     at import are this machine's (the CPU ones this environment has), and before the launch is resolved."""
     import torch
-
     from sglang.srt.utils import common
 
     total = H100_MEMORY_MIB * 2**20
@@ -137,11 +136,10 @@ def _launch(argv: list[str], resolved: dict | None = None, error: str | None = N
     return {"argv": argv, "ok": error is None, "resolved": resolved, "error": error}
 
 
-def resolve_launches(argvs: list[str], on_gpu: bool) -> list[dict]:
+def resolve_launches(argvs: list[list[str]], on_gpu: bool) -> list[dict]:
     """In a process of its own: import SGLang as its launcher does, then resolve each argv in a fork."""
-    from sglang.srt.plugins import load_plugins
-
     import sglang.srt.arg_groups.pipeline  # noqa: F401 - resolution's modules, imported before any GPU is installed
+    from sglang.srt.plugins import load_plugins
 
     load_plugins()
     return [_forked(resolve_launch, argv, on_gpu) or _launch(argv, error="the process crashed") for argv in argvs]
@@ -165,7 +163,7 @@ def check_request(endpoint: str, body: dict, vocab_size: int) -> dict:
     try:
         value, errors = field.validate(copy.deepcopy(body), {}, loc=("body",))
         if errors:
-            return _request(endpoint, name, f"the server's body validation refused it: {errors}")
+            return _request(endpoint, name, f"the server's body validation refused it: {_validation_text(errors)}")
         unknown = sorted(set(body) - _field_names(request_class))
         if unknown:
             return _request(endpoint, name, f"{name} has no field {', '.join(unknown)} (the server ignores them)")
@@ -192,6 +190,12 @@ def _check_generate(body: dict, request, vocab_size: int) -> None:
         sampling = SamplingParams(**dict(item.sampling_params))
         sampling.normalize(None)
         sampling.verify(vocab_size)
+
+
+def _validation_text(errors: list[dict]) -> str:
+    """FastAPI's errors, less the union branch that only says a dict is not already the request class."""
+    reasons = [e for e in errors if e.get("type") != "is_instance_of"] or errors
+    return "; ".join(f"{e.get('msg')} (field {'.'.join(str(p) for p in e.get('loc', ())[2:]) or '-'})" for e in reasons)
 
 
 def _request_class(annotation) -> type | None:
@@ -271,7 +275,10 @@ def _error_text(exc: BaseException) -> str:
 
 
 def _plain(value):
-    return value if isinstance(value, (str, int, float, bool, type(None))) else json.loads(json.dumps(value, default=str))
+    """A resolved value as JSON: a set (lora_target_modules) as a sorted list."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return json.loads(json.dumps(value, default=str))
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ from its actors) and what it trained."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,65 +19,60 @@ GPUS_PER_NODE = 8
 
 
 def main(model_dir: str, work_dir: str) -> None:
-    os.environ["MILES_SIMULATED_GPUS"] = "1"  # before Ray starts: its workers inherit it
     import ray
-    from ray.cluster_utils import Cluster
 
     from miles.loop import run_multi_lora, run_sync
     from miles.multi_lora import MultiLoRARun
-    from miles.placement import location_of
+    from miles.placement import location_of, simulated_cluster
     from miles.run_dir import RunDir
     from tests.helpers import small_config_for
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "num_gpus": GPUS_PER_NODE})
-    cluster.wait_for_nodes()
     work = Path(work_dir)
     on_gpus = ["rollout.device=cuda", "train.device=cuda"]
     report: dict = {}
-    try:
+    with simulated_cluster(nodes=1, gpus_per_node=GPUS_PER_NODE) as address:
+        try:
 
-        def sync(name: str, *overrides: str) -> None:
-            config = small_config_for(
-                Path(model_dir), work / name, *on_gpus, *overrides, num_rollout=2, ray_address=cluster.address
+            def sync(name: str, *overrides: str) -> None:
+                config = small_config_for(
+                    Path(model_dir), work / name, *on_gpus, *overrides, num_rollout=2, ray_address=address
+                )
+                run_sync(config)
+                run_dir = RunDir(config.run_dir)
+                report[name] = {
+                    "placement": json.loads(run_dir.record_path.read_text())["starts"][-1]["placement"],
+                    "trained": sorted(run_dir.ledger().trained),
+                }
+
+            sync("apart", "rollout.num_engines=4", "train.num_workers=2")
+            sync("colocated", "rollout.colocate=true", "rollout.num_engines=2", "train.num_workers=2")
+
+            adapters = (
+                "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 2, rollout_batch_size: 4,"
+                " n_samples_per_prompt: 4, trainer_group: first},"
+                " {name: sub, data: {task: subtraction, reward: digit_match}, num_steps: 2, rollout_batch_size: 4,"
+                " n_samples_per_prompt: 4, trainer_group: second}]"
             )
-            run_sync(config)
-            run_dir = RunDir(config.run_dir)
-            report[name] = {
-                "placement": json.loads(run_dir.record_path.read_text())["starts"][-1]["placement"],
-                "trained": sorted(run_dir.ledger().trained),
-            }
+            config = small_config_for(
+                Path(model_dir), work / "multi_lora", *on_gpus, adapters, "rollout.num_engines=2", ray_address=address
+            )
+            seen: dict = {}
+            original_start = MultiLoRARun._start
 
-        sync("apart", "rollout.num_engines=4", "train.num_workers=2")
-        sync("colocated", "rollout.colocate=true", "rollout.num_engines=2", "train.num_workers=2")
+            def start_and_note(run: MultiLoRARun, checked) -> None:
+                original_start(run, checked)
+                seen["engines"] = [location.record() for location in run.controller.locations()]
+                seen["trainer_groups"] = {
+                    name: [location_of(handle).record() for handle in group.handles]
+                    for name, group in run.trainer_groups.items()
+                }
 
-        adapters = (
-            "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 2, rollout_batch_size: 4,"
-            " n_samples_per_prompt: 4, trainer_group: first},"
-            " {name: sub, data: {task: subtraction, reward: digit_match}, num_steps: 2, rollout_batch_size: 4,"
-            " n_samples_per_prompt: 4, trainer_group: second}]"
-        )
-        config = small_config_for(
-            Path(model_dir), work / "multi_lora", *on_gpus, adapters, "rollout.num_engines=2",
-            ray_address=cluster.address,
-        )  # fmt: skip
-        seen: dict = {}
-        original_start = MultiLoRARun._start
-
-        def start_and_note(run: MultiLoRARun, checked) -> None:
-            original_start(run, checked)
-            seen["engines"] = [location.record() for location in run.controller.locations()]
-            seen["trainer_groups"] = {
-                name: [location_of(handle).record() for handle in group.handles]
-                for name, group in run.trainer_groups.items()
-            }
-
-        MultiLoRARun._start = start_and_note
-        records = run_multi_lora(config)
-        report["multi_lora"] = {**seen, "trained": {name: len(rows) for name, rows in records.items()}}
-        print(json.dumps(report))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+            MultiLoRARun._start = start_and_note
+            records = run_multi_lora(config)
+            report["multi_lora"] = {**seen, "trained": {name: len(rows) for name, rows in records.items()}}
+            print(json.dumps(report))
+        finally:
+            ray.shutdown()
 
 
 if __name__ == "__main__":
