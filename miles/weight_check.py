@@ -134,8 +134,31 @@ def fingerprint(samples: Iterable[tuple[str, bytes]]) -> str:
 
 
 def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A sha256 of (name, bytes) of every tensor, in name order: an engine's `weights_checksum`."""
-    return fingerprint(
-        (name, tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        for name, tensor in sorted(named_tensors, key=lambda item: item[0])
-    )
+    """An engine's `weights_checksum`: a digest of every tensor, in name order; the bytes' sha256 on the host (as SGLang
+    hashes a CPU tensor), `device_sum` on a GPU (nothing copied to the host, as SGLang's GPU hash)."""
+    parts = []
+    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
+        flat = tensor.detach().contiguous().reshape(-1)
+        if flat.is_cuda:
+            parts.append((name, device_sum(flat).to_bytes(8, "little", signed=True)))
+        else:
+            parts.append((name, flat.view(torch.uint8).numpy().tobytes()))
+    return fingerprint(parts)
+
+
+def device_sum(flat: torch.Tensor) -> int:
+    """The sum of every element's bits times an odd multiplier of its position, modulo 2**64, computed where the
+    tensor lives, CHECKSUM_CHUNK elements at a time. Any one element that changes changes the sum (its bits'
+    difference times an odd number is never a multiple of 2**64); several changes cancel only by chance."""
+    bits = flat.view(_SAME_WIDTH_INTEGER[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, bits.numel(), CHECKSUM_CHUNK):
+        chunk = bits[start : start + CHECKSUM_CHUNK].to(torch.int64)
+        positions = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device)
+        total += (chunk * (positions * _MULTIPLIER_STEP + 1 | 1)).sum()
+    return int(total)
+
+
+CHECKSUM_CHUNK = 1 << 24
+_MULTIPLIER_STEP = 0x9E3779B97F4A7C15 - (1 << 64)  # the golden ratio's 64 bits, as a signed int64: positions spread
+_SAME_WIDTH_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

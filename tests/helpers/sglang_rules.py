@@ -128,6 +128,7 @@ def resolve_launch(argv: list[str], on_gpu: bool) -> dict:
         server_args.check_server_args()
         resolved = server_args.resolved_dict()
     except BaseException as exc:  # noqa: BLE001 - SGLang's refusal is the result
+        traceback.print_exc()
         return _launch(argv, error=_error_text(exc))
     return _launch(argv, resolved={name: _plain(resolved.get(name)) for name in RESOLVED_FIELDS})
 
@@ -172,6 +173,7 @@ def check_request(endpoint: str, body: dict, vocab_size: int) -> dict:
         if isinstance(value, GenerateReqInput):
             _check_generate(body, value, vocab_size)
     except BaseException as exc:  # noqa: BLE001 - SGLang's refusal is the result
+        traceback.print_exc()
         return _request(endpoint, name, _error_text(exc))
     return _request(endpoint, name, None)
 
