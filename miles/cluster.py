@@ -232,6 +232,11 @@ class RestartableActor:
         waits on a group that lost a member."""
         return to(self._finished(method, *args)[0])
 
+    def hand_over_each(self, method: Callable, *args: Any) -> list[ray.ObjectRef]:
+        """Every rank's result of `method`, as refs for other actors to consume (rank i's for the engine paired with
+        it), complete as `hand_over`'s."""
+        return self._finished(method, *args)
+
     def _finished(self, method: Callable, *args: Any) -> list[Any]:
         """The refs of `method`'s finished results, one per rank; ActorLost when a member died meanwhile."""
         group = self._live()

@@ -167,22 +167,19 @@ def check_colocation(rollout: RolloutConfig, train: TrainConfig, engine_ranks: i
 
 
 def choose_transport(rollout: RolloutConfig, train: TrainConfig, engine: type) -> str:
-    """The weight transport of a run, from its placement: `tensor` (CUDA IPC) where the sender, trainer rank 0, and
-    every engine share one GPU; `distributed` (a broadcast over NCCL) where the engines have GPUs of their own; the
-    engine's own choice where the engines are not on GPUs; where neither works (engines colocated with several
-    trainer ranks: only engine 0 shares rank 0's GPU, and NCCL refuses a group with two ranks on one GPU), `disk` or
-    the object store, as the engine takes them.
-    `rollout.weight_transport` overrides it, and an impossible one is refused before any work, naming the fields."""
+    """The weight transport of a run, from its placement: `tensor` (CUDA IPC) where each engine shares a trainer
+    rank's GPU (colocated: rank i hands engine i its payloads); `distributed` (a broadcast from rank 0 over NCCL)
+    where the engines have GPUs of their own; the engine's own choice where the engines are not on GPUs, or where
+    the engine takes neither (colocated torch engines load from the object store). `rollout.weight_transport`
+    overrides it, and an impossible one is refused before any work, naming the fields."""
     ranks = engine.ranks(rollout)
     check_colocation(rollout, train, ranks)
     takes = engine.weight_transports
     cuda = on_gpus(rollout.device) and on_gpus(train.device)
     if not cuda:
         default = takes[0]
-    elif rollout.colocate and rollout.num_engines == 1 and "tensor" in takes:
-        default = "tensor"
     elif rollout.colocate:
-        default = next(t for t in takes if t not in ("tensor", "distributed"))
+        default = "tensor" if "tensor" in takes else next(t for t in takes if t != "distributed")
     else:
         default = "distributed" if "distributed" in takes else takes[0]
     transport = rollout.weight_transport or default
@@ -192,11 +189,11 @@ def choose_transport(rollout: RolloutConfig, train: TrainConfig, engine: type) -
             f"{' or '.join(takes)}"
         )
     where = f"rollout.device={rollout.device}, train.device={train.device}, rollout.colocate={rollout.colocate}"
-    if cuda and transport == "tensor" and not (rollout.colocate and rollout.num_engines == 1):
+    if cuda and transport == "tensor" and not rollout.colocate:
         raise ValueError(
-            f"rollout.weight_transport=tensor hands the engines CUDA IPC handles to trainer rank 0's memory, which only "
-            f"an engine on rank 0's GPU can map; with {where} and rollout.num_engines={rollout.num_engines}, "
-            f"{'engines 1 and on are' if rollout.colocate else 'the engines are'} on other GPUs: use {default}"
+            f"rollout.weight_transport=tensor hands each engine CUDA IPC handles to a trainer rank's memory, which only "
+            f"an engine on that rank's GPU can map; with {where} the engines are on GPUs of their own: use {default}, "
+            f"or colocate them"
         )
     if cuda and transport == "distributed" and rollout.colocate:
         raise ValueError(
@@ -211,22 +208,28 @@ def choose_transport(rollout: RolloutConfig, train: TrainConfig, engine: type) -
     return transport
 
 
-def check_transport(transport: str, sender: Location, engines: list[Location]) -> None:
-    """Refuse, at start, a transport that what Ray assigned cannot carry: `tensor` needs every engine on the sender's
-    GPU, `distributed` over NCCL no engine on it."""
-    if not sender.gpu_ids:
+def check_transport(transport: str, trainer: list[Location], engines: list[Location], colocated: bool) -> None:
+    """Refuse, at start, a transport that what Ray assigned cannot carry: `tensor` needs each engine on its sender's
+    GPU (trainer rank i's when colocated, else rank 0's), `distributed` over NCCL no engine on rank 0's."""
+    if not trainer[0].gpu_ids:
         return
-    shared = [i for i, engine in enumerate(engines) if engine.shares_device(sender)]
-    apart = [i for i in range(len(engines)) if i not in shared]
-    if transport == "tensor" and apart:
-        where = "; ".join(f"engine {i}: {engines[i].describe()}" for i in apart)
-        raise RuntimeError(
-            f"weight transport tensor: trainer rank 0 is on {sender.describe()}, but {where}: CUDA IPC handles "
-            f"cannot be mapped on another GPU"
-        )
+    if transport == "tensor":
+        senders = [trainer[i] if colocated else trainer[0] for i in range(len(engines))]
+        apart = [
+            i
+            for i, (engine, sender) in enumerate(zip(engines, senders, strict=True))
+            if not engine.shares_device(sender)
+        ]
+        if apart:
+            i = apart[0]
+            raise RuntimeError(
+                f"weight transport tensor: engine {i} is on {engines[i].describe()}, but the trainer rank that sends "
+                f"it payloads is on {senders[i].describe()}: CUDA IPC handles cannot be mapped on another GPU"
+            )
+    shared = [i for i, engine in enumerate(engines) if engine.shares_device(trainer[0])]
     if transport == "distributed" and shared:
         raise RuntimeError(
-            f"weight transport distributed: engines {shared} share trainer rank 0's GPU ({sender.describe()}), and "
+            f"weight transport distributed: engines {shared} share trainer rank 0's GPU ({trainer[0].describe()}), and "
             f"NCCL refuses a group with two ranks on one GPU"
         )
 
@@ -319,7 +322,7 @@ def plan_placement(config: RunConfig) -> PlacementRecord:
         engines=placed["engine"],
     )
     if record.trainers.get("policy"):
-        check_transport(transport, record.trainers["policy"][0], record.engines)
+        check_transport(transport, record.trainers["policy"], record.engines, record.colocated)
     return record
 
 

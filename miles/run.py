@@ -193,6 +193,7 @@ class RLRun:
                 self.served_dtype,
                 version=lambda: self.iterations.trainer_version,
                 probe=self._weight_probe,
+                senders=config.train.num_workers if self.colocated is not None else 1,
             )
             self._weight_group = DistributedTransport(
                 self._trainer_weights,
@@ -231,7 +232,7 @@ class RLRun:
             engines=self.controller.locations(),
         )
         self.run_dir.record_placement(record.record())
-        check_transport(self.transport, record.trainers["policy"][0], record.engines)
+        check_transport(self.transport, record.trainers["policy"], record.engines, record.colocated)
 
     def _start_engines(self, plan: ResumePlan) -> InferenceController:
         """Engines on the checkpoint's weights (else the starting model's), at the checkpoint's weight version."""

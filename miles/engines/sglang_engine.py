@@ -48,6 +48,7 @@ from miles.engines.base import (
     check_adapters_loaded,
     shared_launch_args,
 )
+from miles.placement import torch_device
 from miles.weight_group import FLATTENED, TensorSpec, WeightGroup
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class SGLangEngine:
         self.url = f"http://127.0.0.1:{port}"
         self.timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
-        on_cpu = device == "cpu"
+        on_cpu = torch_device(device).type == "cpu"
         command = launch_command(
             model_dir, port, weight_version, device, dtype, self.config, lora_rank, lora_target_modules,
             max_running_requests,
@@ -418,7 +419,7 @@ def launch_command(
     max_running_requests: int | None = None,
 ) -> list[str]:
     """The `python -m sglang.launch_server ...` command of one engine's server, bound to 127.0.0.1 on `port`."""
-    on_cpu = device == "cpu"
+    on_cpu = torch_device(device).type == "cpu"
     command = [
         config.python or sys.executable,
         "-m",
@@ -430,7 +431,7 @@ def launch_command(
         "--port",
         str(port),
         "--device",
-        device.split(":")[0],
+        torch_device(device).type,  # the CPU where GPUs are simulated (miles.placement)
         "--tp-size",
         str(config.tp_size),
         "--weight-version",

@@ -5,9 +5,10 @@
 - `disk`: the trainer writes a model directory under `<run_dir>/engine_weights/`, and every engine loads it
   (`update_weights_from_disk`; SGLang's `/update_weights_from_disk`); the directory must be on storage the engines
   see, as the run directory is.
-- `tensor`: the trainer's rank 0 hands each bucket to the engines as SGLang's `/update_weights_from_tensor` payload:
-  CUDA IPC handles to its own GPU memory, which a server on the same GPU maps without a copy (the colocated
-  placement, where `distributed` cannot work: NCCL refuses two ranks on one device); on a CPU, the bytes.
+- `tensor`: each trainer rank colocated with an engine hands every bucket to the engine on its own GPU as SGLang's
+  `/update_weights_from_tensor` payload (rank 0 to every engine where they are not colocated): CUDA IPC handles to
+  its own GPU memory, which a server on the same GPU maps without a copy (the colocated placement, where
+  `distributed` cannot work: NCCL refuses two ranks on one device); on a CPU, the bytes.
 - `distributed`: the trainer's rank 0 broadcasts the weights bucket by bucket over a weight-update group with every
   engine (miles.weight_group; `update_weights_from_distributed`), each bucket as the engine class's
   `distributed_load_format` asks: flattened into one tensor (SGLang's `/update_weights_from_distributed`) or tensor
@@ -102,21 +103,23 @@ class TrainerWeights:
     dtype: str | None
     version: Callable[[], int]
     probe: Callable[[], WeightProbe | None]
+    senders: int = 1  # ranks that send tensor payloads: each colocated rank to its own engine, else rank 0 to all
 
 
 class TensorPush(WeightPush):
     """Transport tensor: each bucket as SGLang's `/update_weights_from_tensor` payload; on the GPU CUDA IPC handles to
-    the trainer's rank 0 memory, which a server on the same GPU maps (miles.tensor_payload)."""
+    the memory of the trainer rank on the engine's GPU, which the server maps (miles.tensor_payload): engine i gets
+    rank i's payloads when the engines are colocated with the ranks (`senders` ranks), rank 0's otherwise."""
 
     method = RolloutEngine.update_weights_from_tensor
 
     def __init__(self, source: TrainerWeights, version: int):
         super().__init__(version, source.probe())
         self.source = source
-        self.payloads = source.trainer.hand_over(TrainActor.weight_payloads, source.dtype, to=lambda ref: ref)
+        self.payloads = source.trainer.hand_over_each(TrainActor.weight_payloads, source.dtype, source.senders)
 
     def engine_args(self, index: int) -> tuple:
-        return self.payloads, self.version
+        return self.payloads[index if self.source.senders > 1 else 0], self.version
 
     def refill(self, restarted: list[int], engine_count: int) -> tuple[WeightPush, list[int]]:
         """The handles of a landed push point to memory the trainer has let go: new ones, of its current weights."""

@@ -193,19 +193,22 @@ class TrainActor:
             return f"broadcast over weight-update group {group.group_name} failed: {error}"
         return None
 
-    def weight_payloads(self, dtype: str | None = None) -> list[str] | None:
+    def weight_payloads(self, dtype: str | None = None, senders: int = 1) -> list[str] | None:
         """The full weights as SGLang's `/update_weights_from_tensor` payloads, a bucket each, cast to the engines'
-        `dtype`, on rank 0 (None on the others; every rank gathers). On the GPU they are CUDA IPC handles to tensors
-        this actor keeps until `release_payload_weights`, so that the servers map them, not copy them."""
+        `dtype`, on the first `senders` ranks (None on the others; every rank gathers): rank i's for the engine on its
+        own GPU when engines are colocated with the ranks, rank 0's for every engine otherwise. On the GPU they are
+        CUDA IPC handles to tensors this actor keeps until `release_payload_weights`, so that the servers map them, not
+        copy them."""
+        sending = self.rank < senders
         self._payload_weights = []
         payloads = []
         for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device):
-            if self.rank != 0:
+            if not sending:
                 continue
             cast = {name: t.to(getattr(torch, dtype)) if dtype else t for name, t in bucket.items()}
             self._payload_weights.append(cast)
             payloads.append(serialize_named_tensors(cast))
-        return payloads if self.rank == 0 else None
+        return payloads if sending else None
 
     def release_payload_weights(self) -> None:
         """The servers have loaded the last payloads: their tensors can go."""

@@ -31,6 +31,7 @@ FIGURES = {
     "long_run": "long_run_growth",
     "multi_lora_memory": "memory_ratio",
     "orchestration_overhead": "overhead_ratio",
+    "per_rank_push": "per_rank_push_time_ratio",
     "ppo_vs_grpo": "ppo_vs_grpo_greedy_gain",
     "reward_scoring": "reward_scoring_vs_pool",
     "sglang_client": "client_overhead",
@@ -52,6 +53,7 @@ SLOW = {
     "gpu_tag",
     "long_run",
     "orchestration_overhead",
+    "per_rank_push",
     "startup",
     "tenants",
 }

@@ -4,9 +4,9 @@ exist, so that Ray's GPU accounting, placement groups and CUDA_VISIBLE_DEVICES a
 
     python -m tests.helpers.simulated_gpus MODEL_DIR WORK_DIR
 
-Three runs of the plain loops on rollout.device=cuda and train.device=cuda, one after another on one cluster: the sync
-loop with 4 engines apart from 2 trainer ranks, the sync loop with 2 engines colocated with 2 trainer ranks, and the
-multi-LoRA loop with two trainer groups. Prints, as JSON on its last line, each run's placement (run.json's, or read
+Four runs of the plain loops on rollout.device=cuda and train.device=cuda, one after another on one cluster: the sync
+loop with 4 engines apart from 2 trainer ranks, the sync loop with 2 engines colocated with 2 trainer ranks (torch
+engines, then SGLang stand-ins taking each rank's tensor payloads), and the multi-LoRA loop with two trainer groups. Prints, as JSON on its last line, each run's placement (run.json's, or read
 from its actors) and what it trained."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(model_dir: str, work_dir: str) -> None:
     from miles.multi_lora import MultiLoRARun
     from miles.placement import location_of, simulated_cluster
     from miles.run_dir import RunDir
-    from tests.helpers import small_config_for
+    from tests.helpers import sglang_overrides, small_config_for
 
     work = Path(work_dir)
     on_gpus = ["rollout.device=cuda", "train.device=cuda"]
@@ -46,6 +46,10 @@ def main(model_dir: str, work_dir: str) -> None:
 
             sync("apart", "rollout.num_engines=4", "train.num_workers=2")
             sync("colocated", "rollout.colocate=true", "rollout.num_engines=2", "train.num_workers=2")
+            sync(
+                "colocated_sglang", *sglang_overrides(), "rollout.colocate=true", "rollout.num_engines=2",
+                "train.num_workers=2", "rollout.sglang.mem_fraction_static=0.5",
+            )  # fmt: skip
 
             adapters = (
                 "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 2, rollout_batch_size: 4,"

@@ -26,21 +26,25 @@ def test_two_actors_share_a_device_on_one_node_and_one_gpu_id_or_one_uuid():
 
 
 def test_a_transport_the_assigned_placement_cannot_carry_is_refused_at_start():
-    sender = _at("a", "0")
-    with pytest.raises(RuntimeError, match=r"tensor: trainer rank 0 is on node .*GPU 0, but engine 1: .*GPU 1"):
-        check_transport("tensor", sender, [_at("a", "0"), _at("a", "1")])
+    ranks = [_at("a", "0"), _at("a", "1")]
+    with pytest.raises(RuntimeError, match=r"tensor: engine 1 is on node .*GPU 1, but the trainer rank that sends it"):
+        check_transport("tensor", ranks[:1], [_at("a", "0"), _at("a", "1")], colocated=False)
+    with pytest.raises(RuntimeError, match=r"tensor: engine 0 is on node .*GPU 1, but .* is on node .*GPU 0"):
+        check_transport("tensor", ranks, [_at("a", "1"), _at("a", "0")], colocated=True)  # pairs crossed
     with pytest.raises(RuntimeError, match=r"distributed: engines \[0\] share trainer rank 0's GPU"):
-        check_transport("distributed", sender, [_at("a", "0"), _at("a", "1")])
-    check_transport("tensor", sender, [_at("a", "0")])
-    check_transport("distributed", sender, [_at("a", "1"), _at("b", "0")])
-    check_transport("disk", sender, [_at("a", "0"), _at("a", "1")])
-    check_transport("tensor", _at("a"), [_at("a")])  # on CPUs nothing is mapped across devices
+        check_transport("distributed", ranks[:1], [_at("a", "0"), _at("a", "1")], colocated=False)
+    check_transport("tensor", ranks, [_at("a", "0"), _at("a", "1")], colocated=True)  # each on its rank's GPU
+    check_transport("tensor", ranks[:1], [_at("a", "0")], colocated=False)
+    check_transport("distributed", ranks, [_at("a", "2"), _at("b", "0")], colocated=False)
+    check_transport("disk", ranks, [_at("a", "0"), _at("a", "1")], colocated=True)
+    check_transport("tensor", [_at("a")], [_at("a"), _at("a")], colocated=False)  # on CPUs no device is mapped
 
 
 @pytest.mark.slow
 def test_runs_on_a_simulated_8_gpu_node_place_engines_on_distinct_gpus_or_pair_them(tiny_model_dir, tmp_path):
-    """The sync loop with 4 engines apart from 2 trainer ranks, with 2 engines colocated with 2 ranks, and the
-    multi-LoRA loop with two trainer groups, each training on a node of 8 simulated GPUs."""
+    """The sync loop with 4 engines apart from 2 trainer ranks, with 2 engines colocated with 2 ranks (torch engines,
+    then SGLang stand-ins taking each rank's tensor payloads), and the multi-LoRA loop with two trainer groups, each
+    training on a node of 8 simulated GPUs."""
     done = subprocess.run(
         [sys.executable, "-m", "tests.helpers.simulated_gpus", str(tiny_model_dir), str(tmp_path)],
         capture_output=True,
@@ -66,6 +70,11 @@ def test_runs_on_a_simulated_8_gpu_node_place_engines_on_distinct_gpus_or_pair_t
     engines, trainer = gpus(colocated["placement"]["engines"]), gpus(colocated["placement"]["trainers"]["policy"])
     assert engines == trainer and len(set(engines)) == 2  # engine i on trainer rank i's GPU, the pairs apart
     assert colocated["placement"]["colocated"] and colocated["trained"] == [0, 1]
+
+    sglang = report["colocated_sglang"]
+    engines, trainer = gpus(sglang["placement"]["engines"]), gpus(sglang["placement"]["trainers"]["policy"])
+    assert engines == trainer and len(set(engines)) == 2
+    assert sglang["placement"]["transport"] == "tensor" and sglang["trained"] == [0, 1]  # each rank to its engine
 
     multi_lora = report["multi_lora"]
     engines = gpus(multi_lora["engines"])
@@ -134,7 +143,7 @@ def test_each_topology_plans_engines_on_gpus_of_their_own_or_paired(plans, case)
     if record["colocated"]:
         assert [held for held in engines] == trainers["policy"]  # engine i on trainer rank i's GPU
         assert len(set(everyone)) == len(engines)
-        assert record["transport"] == ("tensor" if len(engines) == 1 else "disk")
+        assert record["transport"] == "tensor"  # each rank hands its engine CUDA IPC handles
     else:
         assert len(set(everyone)) == len(everyone)  # no GPU held twice
         if everyone:

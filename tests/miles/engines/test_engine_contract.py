@@ -78,8 +78,8 @@ COLOCATED = [*CUDA_BOTH, "rollout.colocate=true"]
         (["rollout.engine=sglang", "rollout.device=cuda"], "disk"),  # a CPU trainer
         ([*CUDA_BOTH], "distributed"),
         (["rollout.engine=sglang", *COLOCATED], "tensor"),  # on trainer rank 0's GPU: CUDA IPC
-        # engine 1 is on rank 1's GPU, which rank 0's handles do not reach, and engine 0 on rank 0's (no NCCL)
-        (["rollout.engine=sglang", *COLOCATED, "rollout.num_engines=2", "train.num_workers=2"], "disk"),
+        # each rank hands the engine on its own GPU its payloads
+        (["rollout.engine=sglang", *COLOCATED, "rollout.num_engines=2", "train.num_workers=2"], "tensor"),
         ([*COLOCATED], "object_store"),  # the TorchEngine takes no tensor payloads
     ],
 )
@@ -98,8 +98,8 @@ def test_the_default_transport_follows_the_placement(overrides, transport):
         ),
         (
             ["rollout.engine=sglang", *CUDA_BOTH, "rollout.weight_transport=tensor"],
-            r"CUDA IPC handles to trainer rank 0's memory, which only an engine on rank 0's GPU can map; .* the "
-            r"engines are on other GPUs: use distributed",
+            r"CUDA IPC handles to a trainer rank's memory, which only an engine on that rank's GPU can map; .* the "
+            r"engines are on GPUs of their own: use distributed, or colocate them",
         ),
         (
             ["rollout.engine=sglang", "rollout.sglang.tp_size=2", "rollout.weight_transport=tensor"],
