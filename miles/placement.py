@@ -306,10 +306,8 @@ def plan_placement(config: RunConfig) -> PlacementRecord:
                 releases.append(release)
             trainers[name] = [seat.options(**on_bundle(rank)).remote() for rank in range(view.train.num_workers)]
             taken += trainers[name]
-        placed = {
-            name: _locations(handles, f"{name} rank", own if name == "engine" else None)
-            for name, handles in {"engine": engines, **trainers}.items()
-        }
+        placed = {"engine": _locations(engines, f"engine of {own}")}
+        placed.update({name: _locations(handles, f"{name} rank") for name, handles in trainers.items()})
     finally:
         for handle in taken:
             ray.kill(handle)
@@ -326,15 +324,15 @@ def plan_placement(config: RunConfig) -> PlacementRecord:
     return record
 
 
-def _locations(handles: list, what: str, options: dict | None) -> list[Location]:
+def _locations(seats: list, what: str) -> list[Location]:
+    """Where each seat landed, once Ray placed them all."""
     import ray
 
-    refs = [handle.location.remote() for handle in handles]
+    refs = [seat.location.remote() for seat in seats]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ColocatedBundles.TIMEOUT_S)
     if len(ready) < len(refs):
-        asked = f" of {options}" if options else ""
         raise RuntimeError(
-            f"Ray could not place every {what}{asked} in {ColocatedBundles.TIMEOUT_S:.0f} s; the cluster has "
+            f"Ray could not place every {what} in {ColocatedBundles.TIMEOUT_S:.0f} s; the cluster has "
             f"{ray.available_resources()} free of {ray.cluster_resources()}"
         )
     return ray.get(refs)

@@ -61,6 +61,7 @@ RESOLVED_FIELDS = (
     "max_loras_per_batch",
     "lora_target_modules",
 )
+NO_FIELD = "(ServerArgs has no such field)"
 
 
 # ---- The GPU: what one H100 80GB answers, the one place this script stands in for a device ----------------------
@@ -107,7 +108,7 @@ def device_of(argv: list[str]) -> str:
             return argv[i + 1]
         if arg.startswith("--device="):
             return arg.split("=", 1)[1]
-    return "cuda"  # SGLang's default device where a GPU is present
+    return "cuda"  # none named: SGLang takes the GPU of a GPU server
 
 
 def resolve_launch(argv: list[str], on_gpu: bool) -> dict:
@@ -130,7 +131,7 @@ def resolve_launch(argv: list[str], on_gpu: bool) -> dict:
     except BaseException as exc:  # noqa: BLE001 - SGLang's refusal is the result
         traceback.print_exc()
         return _launch(argv, error=_error_text(exc))
-    return _launch(argv, resolved={name: _plain(resolved.get(name)) for name in RESOLVED_FIELDS})
+    return _launch(argv, resolved={name: _plain(resolved.get(name, NO_FIELD)) for name in RESOLVED_FIELDS})
 
 
 def _launch(argv: list[str], resolved: dict | None = None, error: str | None = None) -> dict:
@@ -284,6 +285,8 @@ def _plain(value):
 
 
 def main() -> None:
+    import torch  # noqa: F401 - imported once, before the two sides fork; SGLang itself only in each side
+
     task = json.load(sys.stdin)
     argvs = [list(argv) for argv in task.get("launches", [])]
     on_cpu = [device_of(argv).split(":")[0] == "cpu" for argv in argvs]

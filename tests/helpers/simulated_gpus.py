@@ -49,6 +49,7 @@ def main(model_dir: str, work_dir: str) -> None:
             sync(
                 "colocated_sglang", *sglang_overrides(), "rollout.colocate=true", "rollout.num_engines=2",
                 "train.num_workers=2", "rollout.sglang.mem_fraction_static=0.5",
+                "rollout.sglang.attention_backend=triton",  # the GPU backend that serves the float32 model
             )  # fmt: skip
 
             adapters = (

@@ -26,7 +26,6 @@ from miles.engines import sglang_engine
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import CPU_KV_CACHE_TOKENS, SGLangEngine
 from miles.models.tiny import build_tiny_model
-from miles.seeds import rollout_seed
 from miles.tensor_payload import serialize_named_tensors
 from miles.weight_group import FLATTENED, WeightGroup
 
@@ -40,8 +39,8 @@ PRESETS = sorted(
     for path in (ROOT / "deployments" / "configs").glob("*.yaml")
     if load_config(path).rollout.engine == "sglang"
 )
-# Every endpoint SGLangEngine POSTs to. The prefix cache is flushed by the `flush_cache` field of the weight loads,
-# never by a POST of /flush_cache (a paused server with requests in place refuses that).
+# Every endpoint SGLangEngine POSTs to. The prefix cache is flushed by the `flush_cache` field of its weight loads: it
+# POSTs no /flush_cache.
 ENDPOINTS = {
     "/generate",
     "/pause_generation",
@@ -154,7 +153,8 @@ def _probes(launches) -> dict[str, list[str]]:
         # NONDETERMINISTIC_BACKENDS: SGLang refuses deterministic inference with torch_native, the CPU's backend.
         "cpu-deterministic": [*cpu, "--enable-deterministic-inference"],
         # FLOAT32_BACKENDS: left to choose for a deterministic float32 server on an H100, SGLang picks fa3, which
-        # takes 16-bit weights only; hence the explicit triton.
+        # takes 16-bit weights only (its kernels refuse float32; its argument checks do not); hence the explicit
+        # triton.
         "float32-sglang-choice": float32[:backend] + float32[backend + 2 :],
     }
 
@@ -203,7 +203,7 @@ def _request_bodies(tmp_path: Path) -> list[tuple[str, dict]]:
 
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, stop_token_ids=(2,))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
-    seed = rollout_seed(2**40, 10**6)  # seeds reach 2**62
+    seed = 2**62 - 1  # the largest first seed of a rollout (miles.seeds)
     batch = [GenerateRequest([1, 5, 6, 7], sampled, seed=seed), GenerateRequest([1, 8], greedy, seed=seed + 1)]
     engine.generate(batch)
     engine.sequence_logprobs([1, 5, 6, 7, 2])
@@ -259,9 +259,9 @@ def rules(model_dirs, tmp_path_factory) -> dict:
 def _resolved(rules, name: str) -> dict:
     verdict = rules["launches"][name]
     assert verdict["ok"], f"SGLang refuses the {name} launch command {verdict['argv']}: {verdict['error']}"
-    resolved = verdict["resolved"]
-    assert resolved["host"] == "127.0.0.1" and resolved["enable_metrics"] is True  # /metrics: the engine's progress
-    assert resolved["tp_size"] == 1 or name == "lora-tp2"
+    resolved, argv = verdict["resolved"], verdict["argv"]
+    assert resolved["host"] == "127.0.0.1" and resolved["port"] == int(argv[argv.index("--port") + 1])
+    assert resolved["enable_metrics"] is True  # /metrics: its counters are the engine's progress
     return resolved
 
 
@@ -274,6 +274,7 @@ def test_the_presets_launch_commands_pass_sglangs_checks_on_an_h100(rules, prese
     assert "--attention-backend" not in rules["commands"][preset][0]
     assert resolved["device"] == "cuda" and resolved["dtype"] == "bfloat16"
     assert resolved["attention_backend"] == "fa3" and resolved["enable_deterministic_inference"] is True
+    assert resolved["tp_size"] == rollout.sglang.tp_size
     assert resolved["weight_version"] == "0" and resolved["sleep_on_idle"] is False
     assert resolved["max_total_tokens"] is None  # sized by SGLang from its memory share
     if rollout.sglang.mem_fraction_static is not None:
@@ -287,22 +288,26 @@ def test_the_cpu_contract_servers_launch_command_passes_sglangs_checks(rules):
     holds CPU_KV_CACHE_TOKENS of KV cache; SGLangEngine starts it with SGLang's CPU engine chosen."""
     resolved = _resolved(rules, "cpu-contract")
     assert rules["commands"]["cpu-contract"][1]["SGLANG_USE_CPU_ENGINE"] == "1"
-    assert resolved["device"] == "cpu" and resolved["dtype"] == "float32"
+    assert resolved["device"] == "cpu" and resolved["dtype"] == "float32" and resolved["tp_size"] == 1
     assert resolved["attention_backend"] == "torch_native" and resolved["enable_deterministic_inference"] is False
     assert resolved["sleep_on_idle"] is True and resolved["max_total_tokens"] == CPU_KV_CACHE_TOKENS
     assert resolved["weight_version"] == "3" and 0 < resolved["mem_fraction_static"] < 1
 
 
 def test_a_float32_gpu_launch_gets_triton_and_deterministic_inference(rules):
+    """Pins: triton takes deterministic inference on an H100, for a float32 server started without SGLang's CPU
+    engine."""
     resolved = _resolved(rules, "float32-gpu")
-    assert rules["commands"]["float32-gpu"][1] is None  # the environment of the actor, no CPU engine
-    assert resolved["device"] == "cuda" and resolved["dtype"] == "float32" and resolved["weight_version"] == "2"
+    assert "SGLANG_USE_CPU_ENGINE" not in (rules["commands"]["float32-gpu"][1] or {})
+    assert resolved["device"] == "cuda" and resolved["dtype"] == "float32" and resolved["tp_size"] == 1
+    assert resolved["weight_version"] == "2" and resolved["sleep_on_idle"] is False
     assert resolved["attention_backend"] == "triton" and resolved["enable_deterministic_inference"] is True
 
 
 def test_a_colocated_launch_keeps_its_memory_share(rules):
+    """Pins: --mem-fraction-static as sent, the share of the GPU a server beside the trainer takes."""
     resolved = _resolved(rules, "colocated")
-    assert resolved["mem_fraction_static"] == 0.5 and resolved["dtype"] == "bfloat16"
+    assert resolved["mem_fraction_static"] == 0.5 and resolved["dtype"] == "bfloat16" and resolved["tp_size"] == 1
     assert resolved["attention_backend"] == "fa3" and resolved["enable_deterministic_inference"] is True
 
 
