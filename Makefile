@@ -89,7 +89,9 @@ gpu-check-dry-run: gpu-wheels
 # servers that leave a core idle much of the time (engine and trainer take turns, processes start, flows poll): two at
 # once. One at a time, after them: the learning runs (their bars were measured on a machine to themselves, and the
 # asynchronous flows learn by when weight pushes land) and the tests that time engines, servers or checks.
-ONE_AT_A_TIME := tests/e2e/test_learning.py tests/miles/engines tests/e2e/test_bad_input.py \
+ONE_AT_A_TIME := tests/e2e/test_learning.py tests/miles/engines/test_sglang_contract.py \
+	tests/miles/engines/test_sglang_engine.py tests/miles/engines/test_torch_engine.py \
+	tests/miles/engines/test_torch_engine_adapters.py tests/e2e/test_bad_input.py \
 	tests/miles/rewards/test_verifiers.py tests/miles/test_run_lock.py
 TEST_ENV := MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python MILES_REAL_MODEL=$(REAL_MODEL_DIR)
 test: install install-sglang-cpu real-model

@@ -13,8 +13,8 @@ for the model classes that implement it, which Qwen's do not. So a push is check
   a unit in the last place).
 - **They are the trainer's.** The trainer scores a sequence with the weights it pushes, every engine scores it with
   the weights it then serves, and the two agree within `rollout.push_check_atol` (mean absolute difference per
-  token). The sequence is the model's own greedy continuation of one fixed token: likely tokens, whose log-probs a
-  bf16 engine rounds by hundredths. Tokens the model finds unlikely (log-probs near -15) sit where bf16 logits round by
+  token). The sequence is the model's own greedy continuation of one fixed token (taken once by each trainer group,
+  from the weights it starts from): likely tokens, whose log-probs a bf16 engine rounds by hundredths. Tokens the model finds unlikely (log-probs near -15) sit where bf16 logits round by
   whole tenths: on a real bf16 model (SmolLM2-135M-Instruct) served by SGLang on a CPU, a sequence striding through
   the vocabulary differed from the trainer's fp32 forward by 0.25 per token before any push, its greedy sequence by
   about 0.04 (README, "The push check").
@@ -80,9 +80,12 @@ class WeightProbe:
 
 
 @torch.no_grad()
-def take_probe(model: torch.nn.Module, device: torch.device, atol: float, dtype: str) -> WeightProbe:
-    """The trainer's side of the push check of `model`'s weights as served in `dtype`: its greedy continuation of
-    PROBE_START with the log-probs, in eval mode, and the fingerprint. Every rank of a sharded model calls it."""
+def take_probe(
+    model: torch.nn.Module, device: torch.device, atol: float, dtype: str, token_ids: list[int] | None = None
+) -> WeightProbe:
+    """The trainer's side of the push check of `model`'s weights as served in `dtype`: the log-probs of `token_ids`
+    (unset: the model's greedy continuation of PROBE_START, PROBE_TOKENS forwards), in eval mode, and the fingerprint.
+    Every rank of a sharded model calls it."""
     from torch.distributed.fsdp import FSDPModule
 
     from miles.train.logprobs import token_logprobs
@@ -90,10 +93,13 @@ def take_probe(model: torch.nn.Module, device: torch.device, atol: float, dtype:
     training = model.training
     model.eval()
     try:
-        tokens = torch.tensor([[PROBE_START]], device=device)
-        for _ in range(PROBE_TOKENS):
-            next_token = model(input_ids=tokens).logits[:, -1].argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, next_token], dim=1)
+        if token_ids is None:
+            tokens = torch.tensor([[PROBE_START]], device=device)
+            for _ in range(PROBE_TOKENS):
+                next_token = model(input_ids=tokens).logits[:, -1].argmax(-1, keepdim=True)
+                tokens = torch.cat([tokens, next_token], dim=1)
+        else:
+            tokens = torch.tensor([token_ids], device=device)
         logprobs = token_logprobs(model(input_ids=tokens).logits.float(), tokens)[0, 1:].tolist()
     finally:
         model.train(training)

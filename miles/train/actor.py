@@ -86,6 +86,7 @@ class TrainActor:
         self.trained = dict(self.run_dir.ledger().trained)
         self._weight_group = Membership()  # rank 0's place in the weight-update group it broadcasts over
         self._payload_weights: list[dict[str, torch.Tensor]] = []  # what the last weight_payloads point to
+        self._probe_ids: list[int] | None = None  # the push check's sequence (weight_probe)
 
     holds_reference = True  # the starting policy, for the KL terms (the critic holds none)
 
@@ -162,8 +163,14 @@ class TrainActor:
 
     def weight_probe(self, dtype: str | None = None) -> WeightProbe:
         """The push check of the weights held now (miles.weight_check), of the weights cast to the served `dtype`
-        (unset: the model's own); every rank takes part."""
-        return take_probe(self.model, self.device, self.config.rollout.push_check_atol, dtype or self.weights_dtype)
+        (unset: the model's own); every rank takes part. The sequence is the greedy one of the weights this actor
+        started from, kept: one forward a push, where a new greedy sequence would take seventeen (each a round of
+        collectives when sharded), and a sequence likely then stays likely over a run's small steps."""
+        probe = take_probe(
+            self.model, self.device, self.config.rollout.push_check_atol, dtype or self.weights_dtype, self._probe_ids
+        )
+        self._probe_ids = probe.token_ids
+        return probe
 
     def broadcast_weights(self, group: WeightGroup, load_format: str | None, dtype: str | None = None) -> str | None:
         """Rank 0 broadcasts the full weights over the weight-update `group` (joining it first if it is new), a

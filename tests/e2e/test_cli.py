@@ -91,7 +91,7 @@ def test_cli_runs_the_flow_with_a_project_local_prefect_home(tmp_path, tiny_mode
     assert [r["rollout_id"] for r in RunDir(tmp_path / "run").metrics()] == [0, 1]
 
 
-def test_plan_prints_where_each_actor_lands_on_a_simulated_node_and_refuses_what_cannot_fit(tmp_path):
+def test_plan_prints_where_each_actor_lands_on_a_simulated_node_and_what_each_gpu_holds(tmp_path):
     from transformers import Qwen2Config
 
     config = PROJECT / "deployments/configs/math-qwen2.5-7b-instruct.yaml"
@@ -116,13 +116,3 @@ def test_plan_prints_where_each_actor_lands_on_a_simulated_node_and_refuses_what
     assert sorted(gpus) == [str(i) for i in range(8)]  # one GPU each, never two actors on one
     assert [row[-1] for row in rows] == gpus  # CUDA_VISIBLE_DEVICES as Ray assigned
     assert lines[-1] == "engines on GPUs of their own; weights reach the engines by distributed"
-
-    out = _miles("plan", "--config", str(config), "--simulate", "1x4", cwd=tmp_path)
-    assert out.returncode == 2
-    assert "the run asks for 8 GPUs (4 engines of 1, trainer groups policy: 4, rollout.colocate=False)" in out.stderr
-
-    out = _miles(
-        "plan", "--config", str(config), "--simulate", "1x8", "--set", model, "--gpu-memory-gib", "40", cwd=tmp_path
-    )
-    assert out.returncode == 2
-    assert "trainer rank: 41.5 of 40 GiB" in out.stderr and "does not fit in 90% of the GPU" in out.stderr

@@ -4,9 +4,9 @@ exist, so that Ray's GPU accounting, placement groups and CUDA_VISIBLE_DEVICES a
 
     python -m tests.helpers.simulated_gpus MODEL_DIR WORK_DIR
 
-Four runs of the plain loops on rollout.device=cuda and train.device=cuda, one after another on one cluster: the sync
-loop with 4 engines apart from 2 trainer ranks, the sync loop with 2 engines colocated with 2 trainer ranks (torch
-engines, then SGLang stand-ins taking each rank's tensor payloads), and the multi-LoRA loop with two trainer groups. Prints, as JSON on its last line, each run's placement (run.json's, or read
+Three runs of the plain loops on rollout.device=cuda and train.device=cuda, one after another on one cluster: the sync
+loop with 4 engines apart from 2 trainer ranks, the sync loop with 2 SGLang stand-ins colocated with 2 trainer ranks
+(each taking its rank's tensor payloads), and the multi-LoRA loop with two trainer groups. Prints, as JSON on its last line, each run's placement (run.json's, or read
 from its actors) and what it trained."""
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ def main(model_dir: str, work_dir: str) -> None:
                 }
 
             sync("apart", "rollout.num_engines=4", "train.num_workers=2")
-            sync("colocated", "rollout.colocate=true", "rollout.num_engines=2", "train.num_workers=2")
             sync(
                 "colocated_sglang", *sglang_overrides(), "rollout.colocate=true", "rollout.num_engines=2",
                 "train.num_workers=2", "rollout.sglang.mem_fraction_static=0.5",
