@@ -76,6 +76,9 @@ class InferenceController:
         self._weight_version = weight_version
         self._push: WeightPush | None = None  # the last full-weight push, for engines restarted after it
         self._held: str | None = None  # the trainer's fingerprint of the weights the engines hold (None: unknown)
+        # The engines' checksums when the last push landed: the next push's "before", unless an engine restarted or a
+        # push failed since (None: taken anew), so that a push hashes the served weights once, not twice.
+        self._landed_checksums: dict[int, str | None] | None = None
         self._adapters: dict[str, tuple[ray.ObjectRef, dict, int]] = {}  # name -> (tensors, PEFT config, version)
         # Held by a push or a restart: one at a time, so that a restarted engine is given the weights of the last
         # push that landed. Reentrant: a push whose engine died restarts it.
@@ -198,6 +201,8 @@ class InferenceController:
                 ray.kill(engine)
                 self.engines[i] = self._start_engine(i)
                 restarted.append(i)
+        if restarted:
+            self._landed_checksums = None
         # A fresh engine holds the weights it was started from: give it the current weights and adapters.
         if restarted and self._push is not None:
             push, targets = self._push.refill(restarted, len(self.engines))
@@ -229,15 +234,18 @@ class InferenceController:
             return
         with self._engines_lock:
             engines = range(len(self.engines))
-            before = self._checksums() if push.probe is not None else {}
+            before = (self._landed_checksums or self._checksums()) if push.probe is not None else {}
+            self._landed_checksums = None
             results = self._on_engines(push.method, {i: push.engine_args(i) for i in engines}, alongside=push.send)
             push.check(dict(zip(engines, results, strict=True)))
+            after = self._checksums() if push.probe is not None else None
             if push.probe is not None:
-                push.probe.check_moved(self._held, before, self._checksums(), push.version)
+                push.probe.check_moved(self._held, before, after, push.version)
                 served = self._on_every_engine(RolloutEngine.sequence_logprobs, push.probe.token_ids)
                 push.probe.check_all(dict(enumerate(served)), push.version)
             self._push, self._weight_version = push, push.version
             self._held = push.probe.fingerprint if push.probe is not None else None
+            self._landed_checksums = after
         push.landed()
 
     def _checksums(self) -> dict[int, str | None]:
@@ -268,6 +276,7 @@ class InferenceController:
         with self._engines_lock:
             args = self.engine_class.launch_args(model_dir, weight_version, self._rollout, self._adapter_configs)
             self._engine_args, self._push, self._weight_version, self._held = args, None, weight_version, None
+            self._landed_checksums = None
             self.engines = [self._start_engine(i) for i in range(self._rollout.num_engines)]
             for name, (tensors_ref, config, version) in self._adapters.items():
                 self._on_every_engine(RolloutEngine.load_adapter, name, tensors_ref, config, version)
