@@ -63,12 +63,11 @@ $(REAL_MODEL_DIR)/.built: | $(VENV)/.installed
 print-real-model:
 	@echo $(REAL_MODEL_DIR)
 
-# The sync flow with SGLang serving the rollouts and the trainer on the same GPU (colocated; SGLang takes half its
-# memory).
+# The sync flow with SGLang serving the rollouts and the trainer on the same GPU (colocated: SGLang takes what the
+# trainer leaves, and gives its memory back for each train step).
 run-gpu: install-gpu
 	$(VENV)/bin/miles run sync --set rollout.engine=sglang --set rollout.sglang.python=$(CURDIR)/$(SGLANG_VENV)/bin/python \
-		--set rollout.device=cuda --set train.device=cuda --set rollout.colocate=true \
-		--set rollout.sglang.mem_fraction_static=0.5
+		--set rollout.device=cuda --set train.device=cuda --set rollout.colocate=true
 
 # The GPU machine reaches no package registry: the wheels scripts/gpu_check.py needs beyond what it has, for its
 # CPython 3.12, into .whl/ (carried to it with the working tree; scripts/gpu_check.sh installs them there).

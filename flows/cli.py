@@ -146,6 +146,7 @@ def _memory_budget(config, gpu_gib: float) -> int:
     """The memory each GPU holds (miles.memory_budget), where the run is on GPUs and its model's config.json is here."""
     from pathlib import Path
 
+    from miles.engines import resolve_engine
     from miles.memory_budget import ModelShape, budget
 
     if not (config.rollout.device.startswith("cuda") or config.train.device.startswith("cuda")):
@@ -155,7 +156,8 @@ def _memory_budget(config, gpu_gib: float) -> int:
         print(f"memory: no budget, model.path={config.model.path} has no config.json here")
         return 0
     try:
-        gpus = budget(config, ModelShape.read(model_dir), gpu_gib)
+        served = resolve_engine(config.rollout.engine).served_dtype(str(model_dir), config.rollout)
+        gpus = budget(config, ModelShape.read(model_dir), served, gpu_gib)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

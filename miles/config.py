@@ -206,7 +206,11 @@ class SGLangConfig(_Section):
     )
     tp_size: int = Field(1, gt=0, description="tensor-parallel GPUs per server")
     mem_fraction_static: float | None = Field(
-        None, gt=0, lt=1, description="GPU memory share for weights and KV cache; unset: SGLang's choice"
+        None,
+        gt=0,
+        lt=1,
+        description="GPU memory share for weights and KV cache; unset: SGLang's choice, or colocated, what the trainer "
+        "rank leaves (miles.memory_budget)",
     )
     max_loras_per_batch: int = Field(8, gt=0, description="adapters (the base counts as one) in one batch")
     extra_args: list[str] = Field(

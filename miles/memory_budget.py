@@ -14,13 +14,18 @@ state over them; one unsharded rank holds it whole):
   with their gradient: 2 chunks.
 - an SGLang engine takes `rollout.sglang.mem_fraction_static` of its GPU for its weights (P bytes in the served
   dtype, split over its tensor-parallel ranks) and its KV cache (the rest of that share). Unset, SGLang sizes it
-  from the free memory it sees at start, which only an engine on a GPU of its own may do.
+  from the free memory it sees at start, which only an engine on a GPU of its own may do; a colocated engine is
+  given what its trainer rank leaves (`colocated_engine_share`).
+- colocated, the engine releases its weights and KV cache while its trainer rank steps (miles.engines.base
+  MEMORY_TAGS), so the GPU holds at most one of: the trainer's step (every part above), or the trainer's resident
+  states (all but the activations and the gathered layers) beside the engine.
 Not counted: CUDA's context and allocator slack, NCCL's buffers, temporary tensors of the loss; `HEADROOM` of each
 GPU is left for them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,28 +100,52 @@ def trainer_parts(config: RunConfig, model: ModelShape) -> dict[str, float]:
     return parts
 
 
+STEP_ONLY = ("activations", "gathered layers")  # what a trainer rank frees when its step ends
+
+
+def resident_bytes(trainer: dict[str, float]) -> float:
+    """What a trainer rank keeps on its GPU between steps, while its colocated engine generates."""
+    return sum(value for name, value in trainer.items() if name not in STEP_ONLY)
+
+
+def colocated_engine_share(trainer_resident_bytes: float, gpu_bytes: float) -> float:
+    """The share of its GPU a colocated engine takes for its weights and KV cache (SGLang's mem_fraction_static):
+    what the trainer rank beside it leaves of the usable memory."""
+    share = 1 - HEADROOM - trainer_resident_bytes / gpu_bytes
+    if share <= 0:
+        raise ValueError(
+            f"the trainer rank keeps {trainer_resident_bytes / GIB:.1f} GiB of its {gpu_bytes / GIB:.0f} GiB GPU between "
+            f"steps: no room for a colocated engine; raise train.num_workers or set rollout.colocate=false"
+        )
+    return math.floor(share * 1000) / 1000  # down: rounded up, the GPU would hold more than it can
+
+
 def engine_parts(config: RunConfig, model: ModelShape, served_dtype: str, gpu_bytes: float) -> dict[str, float]:
     rollout = config.rollout
     tp = rollout.sglang.tp_size if rollout.engine == "sglang" else 1
     weights = BYTES[served_dtype] * model.parameters / tp
     share = rollout.sglang.mem_fraction_static if rollout.engine == "sglang" else None
+    if share is None and rollout.engine == "sglang" and rollout.colocate:
+        share = colocated_engine_share(resident_bytes(trainer_parts(config, model)), gpu_bytes)
     if share is None:
         return {"engine weights": weights}
     return {"engine weights": weights, "KV cache": share * gpu_bytes - weights}
 
 
-def budget(config: RunConfig, model: ModelShape, gpu_gib: float) -> list[GPUBudget]:
-    """The GPUs of one kind each: a trainer rank's (with its engine's share when colocated) and an engine's; raises
-    ValueError naming the GPU and its parts when one cannot fit."""
+def budget(config: RunConfig, model: ModelShape, served_dtype: str, gpu_gib: float) -> list[GPUBudget]:
+    """The GPUs of one kind each: a trainer rank's and an engine's, or colocated, their shared GPU in each phase (the
+    trainer stepping with its engine released, the engine generating beside the trainer's resident states); raises
+    ValueError naming the GPU and its parts when one cannot fit. `served_dtype`: the engine's (its `served_dtype`)."""
     gpu_bytes = gpu_gib * GIB
-    served = model.dtype if config.rollout.dtype == "auto" else config.rollout.dtype
-    if config.rollout.engine == "torch" and not config.rollout.device.startswith("cuda"):
-        served = "float32"
     trainer = GPUBudget("trainer rank", trainer_parts(config, model))
-    parts = engine_parts(config, model, served, gpu_bytes)
+    parts = engine_parts(config, model, served_dtype, gpu_bytes)
     engine = GPUBudget("engine" if "KV cache" in parts else "engine (and the KV cache SGLang sizes at start)", parts)
     if config.rollout.colocate:
-        gpus = [GPUBudget("trainer rank and its engine", {**trainer.parts, **engine.parts})]
+        resident = {name: value for name, value in trainer.parts.items() if name not in STEP_ONLY}
+        gpus = [
+            GPUBudget("trainer rank stepping (its engine released)", trainer.parts),
+            GPUBudget("engine generating beside its trainer rank", {**resident, **engine.parts}),
+        ]
     else:
         gpus = [trainer, engine]
     usable = (1 - HEADROOM) * gpu_bytes

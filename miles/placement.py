@@ -13,8 +13,8 @@ What Ray assigned (node, GPU ids, CUDA_VISIBLE_DEVICES, the device's UUID where 
 (`check_transport`).
 
 GPUs are simulated in tests: with MILES_SIMULATED_GPUS=1, Ray's accounting of GPU resources is real (a CPU node
-started with `num_gpus=8`) while `torch_device` and `device_uuids`, the one place that calls CUDA, give the CPU and a
-made-up UUID per (node, GPU id).
+started with `num_gpus=8`) while `torch_device`, `device_uuids` and `gpu_memory_bytes`, the one place that calls CUDA,
+give the CPU, a made-up UUID per (node, GPU id) and an H100's memory.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from miles.config import RolloutConfig, RunConfig, TrainConfig
 
 SIMULATED_GPUS = "MILES_SIMULATED_GPUS"
+SIMULATED_GPU_GIB = 80  # the memory of a simulated GPU: an H100's
 COLOCATED_SHARE = 0.5  # of a pair's GPU, for each member: Ray's accounting only, memory is split by the config
 
 
@@ -86,6 +87,15 @@ def device_uuids(gpu_ids: tuple[str, ...], node_id: str) -> tuple[str, ...]:
     if not gpu_ids or not torch.cuda.is_available():
         return ()
     return tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
+
+
+def gpu_memory_bytes() -> int:
+    """The memory of the first GPU this process sees, as CUDA reports it."""
+    if simulated_gpus():
+        return SIMULATED_GPU_GIB * 2**30
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def here() -> Location:

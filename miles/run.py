@@ -24,6 +24,7 @@ from miles.data.prompts import PromptFormatter
 from miles.engines import weight_transport
 from miles.evaluate import load_eval_sets
 from miles.iterations import Iterations, PolicyInputs
+from miles.memory_budget import ModelShape, resident_bytes, trainer_parts
 from miles.models import build_tokenizer, ensure_embedded_model
 from miles.models.tiny import tool_tokens
 from miles.placement import ColocatedBundles, PlacementRecord, check_transport, location_of, torch_device
@@ -239,7 +240,13 @@ class RLRun:
         # Weights a previous start pushed are not this start's: a version re-trained by the replay is pushed anew.
         shutil.rmtree(self.run_dir.engine_weights, ignore_errors=True)
         model = plan.checkpoint / MODEL_DIR if plan.checkpoint else self.initial_model
-        return InferenceController(str(model), plan.saved_weight_version, self.config.rollout, colocated=self.colocated)
+        resident = None
+        if self.colocated is not None:  # what each trainer rank keeps on its engine's GPU between steps
+            resident = resident_bytes(trainer_parts(self.config, ModelShape.read(self.initial_model)))
+        return InferenceController(
+            str(model), plan.saved_weight_version, self.config.rollout, colocated=self.colocated,
+            trainer_resident_bytes=resident,
+        )  # fmt: skip
 
     def _restored_trainer(self) -> ActorGroup:
         """The trainer group from the latest intact checkpoint, re-trained on the rollouts trained after it."""
@@ -295,7 +302,7 @@ class RLRun:
 
     def _push_weights(self, version: int) -> None:
         """Full weights as `version` to every engine, by rollout.weight_transport; a version they hold is skipped."""
-        if version == self.controller.weight_version():
+        if self.controller.serves(version):
             return
         if self.transport == "object_store":
             probe = self._weight_probe()
@@ -377,6 +384,11 @@ class RLRun:
 
     def should_sync(self, rollout_id: int) -> bool:
         return self.iterations.should_sync(rollout_id)
+
+    def release_engine_memory(self, rollout_id: int) -> None:
+        """Colocated, before training on `rollout_id` with no generation until its push: the engines give their
+        memory to the trainer beside them (their weights too when a push follows this rollout)."""
+        self.controller.release_memory(weights=self.should_sync(rollout_id))
 
     def sync_weights(self, rollout_id: int) -> int:
         """Push the weights trained on `rollout_id` (the trainer's version) to every engine."""

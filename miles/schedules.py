@@ -75,11 +75,14 @@ class Steps:
 
 def sync_iteration(run: RLRun, steps: Steps, rollout_id: int) -> None:
     """One iteration of the rl-sync graph: evaluate (when due) -> generate -> get -> train -> sync -> save; with a
-    critic, generate -> compute_values -> get (GAE) -> train -> train_critic."""
+    critic, generate -> compute_values -> get (GAE) -> train -> train_critic. Colocated, the engines release their
+    memory before the train step and take it back with the push."""
     if run.should_evaluate(rollout_id):
         steps.evaluate(run, rollout_id)
     steps.generate(run, rollout_id)
-    train(run, steps, rollout_id, handed_over(run, steps, rollout_id, []))
+    table = handed_over(run, steps, rollout_id, [])
+    run.release_engine_memory(rollout_id)  # colocated: no generation until the push, so the trainer takes the GPU
+    train(run, steps, rollout_id, table)
     if run.should_sync(rollout_id):
         steps.sync_weights(run, rollout_id)
     if run.should_save(rollout_id):

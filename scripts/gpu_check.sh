@@ -50,10 +50,9 @@ if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; the
 fi
 SGLANG_PYTHON=${SGLANG_PYTHON:-$PWD/.venv-sglang/bin/python}
 if [ -x "$SGLANG_PYTHON" ] && "$SGLANG_PYTHON" -c "import sglang" 2>/dev/null; then
-  # The trainer shares the GPU: SGLang takes a part of the memory only, and maps the trainer's weights (the tensor
-  # transport, CUDA IPC: the default for this placement).
-  flow_run sglang --set rollout.sglang.python="$SGLANG_PYTHON" --set rollout.colocate=true \
-    --set rollout.sglang.mem_fraction_static=0.5
+  # The trainer shares the GPU: SGLang takes what the trainer leaves, releases it for each train step, and maps the
+  # trainer's weights (the tensor transport, CUDA IPC: the default for this placement).
+  flow_run sglang --set rollout.sglang.python="$SGLANG_PYTHON" --set rollout.colocate=true
 else
   echo "no SGLang at $SGLANG_PYTHON (make install-gpu): the SGLang flow run is skipped"
 fi

@@ -14,6 +14,19 @@ from safetensors.torch import load_file
 from miles.config import AdapterConfig, RolloutConfig
 from miles.weight_group import TensorSpec, WeightGroup
 
+# What an engine can release of its device memory while a colocated trainer steps, as SGLang's memory saver names it
+# (sglang/srt/constants.py). Released weights are dropped, not kept on the host: the push after `resume_memory` of
+# "weights" refills them (as slime and miles drive SGLang); the KV cache is rebuilt empty.
+KV_CACHE, WEIGHTS = "kv_cache", "weights"
+MEMORY_TAGS = (KV_CACHE, WEIGHTS)
+
+
+def check_memory_tags(tags) -> list[str]:
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"memory tags {unknown}: an engine releases {list(MEMORY_TAGS)}")
+    return [tag for tag in MEMORY_TAGS if tag in tags]
+
 
 class EngineUnavailable(RuntimeError):
     """The engine's server is gone, failing (5xx) or not answering; its health check fails and it gets restarted."""
@@ -136,9 +149,15 @@ class RolloutEngine(Protocol):
 
     @classmethod
     def launch_args(
-        cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
+        cls,
+        model_dir: str,
+        weight_version: int,
+        rollout: RolloutConfig,
+        adapters: Sequence[AdapterConfig],
+        colocated_trainer_bytes: float | None = None,
     ) -> dict[str, Any]:
-        """The constructor's keyword arguments for an engine of `rollout` serving `adapters`."""
+        """The constructor's keyword arguments for an engine of `rollout` serving `adapters`; colocated, beside a
+        trainer rank that keeps `colocated_trainer_bytes` on the GPU between steps (miles.memory_budget)."""
         ...
 
     @classmethod
@@ -189,6 +208,16 @@ class RolloutEngine(Protocol):
     def weights_checksum(self) -> str | None:
         """A digest of every weight served now, which changes when any of them does (miles.weight_check); None when the
         engine cannot tell."""
+        ...
+
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """Free the device memory of `tags` (MEMORY_TAGS) for the trainer on the same GPU; only while no request is in
+        flight. Until `resume_memory` of the same tags the engine refuses to generate; released weights come back
+        empty, for a push to fill."""
+        ...
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Take back the device memory of released `tags` (a tag not released is left as it is)."""
         ...
 
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None: ...

@@ -46,9 +46,11 @@ from miles.engines.base import (
     GenerateResult,
     GenerationProgress,
     check_adapters_loaded,
+    check_memory_tags,
     shared_launch_args,
 )
-from miles.placement import torch_device
+from miles.memory_budget import colocated_engine_share
+from miles.placement import gpu_memory_bytes, on_gpus, torch_device
 from miles.weight_group import FLATTENED, TensorSpec, WeightGroup
 
 log = logging.getLogger(__name__)
@@ -67,20 +69,20 @@ class SGLangEngine:
 
     @classmethod
     def launch_args(
-        cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
+        cls,
+        model_dir: str,
+        weight_version: int,
+        rollout: RolloutConfig,
+        adapters: Sequence[AdapterConfig],
+        colocated_trainer_bytes: float | None = None,
     ) -> dict[str, Any]:
         dtype = cls.served_dtype(model_dir, rollout)
         choose_attention_backend(rollout.sglang, rollout.device, dtype)  # refused here, before any server starts
-        if rollout.colocate and rollout.sglang.mem_fraction_static is None:
-            raise ValueError(
-                "rollout.colocate=true: set rollout.sglang.mem_fraction_static (the share of the GPU the server takes "
-                "for its weights and KV cache, e.g. 0.5): the engines start before the trainer, and a server left to "
-                "its default sizes its KV cache from the free memory it sees, which the trainer then needs"
-            )
         args = {
             **shared_launch_args(model_dir, weight_version, rollout, dtype),
             "config": rollout.sglang,
             "timeout_s": rollout.engine_timeout_s,
+            "colocated_trainer_bytes": colocated_trainer_bytes,
         }
         if adapters:  # the server sizes its LoRA pool by them
             args.update(
@@ -109,6 +111,7 @@ class SGLangEngine:
         lora_target_modules: list[str] | None = None,
         max_running_requests: int | None = None,
         pause_generation_mode: str = "retract",
+        colocated_trainer_bytes: float | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.pause_generation_mode = pause_generation_mode
@@ -116,6 +119,10 @@ class SGLangEngine:
         self._weight_version = weight_version
         self._adapter_versions: dict[str, int] = {}
         self._weight_group: str | None = None  # the weight-update group the server is in
+        self._released: set[str] = set()
+        # SGLang releases memory on GPUs only: on a CPU its release ends in torch.cuda.synchronize and the scheduler
+        # dies (0.5.23), and there is no memory saver to give anything back.
+        self._releases_on_server = on_gpus(device)
         self._work_dir = Path(tempfile.mkdtemp(prefix="miles-sglang-"))
         self._log_path = self._work_dir / "server.log"
         port = _free_port()
@@ -125,7 +132,7 @@ class SGLangEngine:
         on_cpu = torch_device(device).type == "cpu"
         command = launch_command(
             model_dir, port, weight_version, device, dtype, self.config, lora_rank, lora_target_modules,
-            max_running_requests,
+            max_running_requests, colocated_trainer_bytes,
         )  # fmt: skip
         # SGLang's CPU engine is chosen by this variable; without it `--device cpu` still reaches CUDA-only kernels.
         environment = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"} if on_cpu else None
@@ -216,6 +223,7 @@ class SGLangEngine:
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         if not requests:
             return []
+        self._check_memory_held("generate")
         check_adapters_loaded(requests, self._adapter_versions)
         body = {
             "input_ids": [r.prompt_ids for r in requests],
@@ -354,6 +362,7 @@ class SGLangEngine:
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """The prompt's own log-probs (`input_token_logprobs` from its first token on); the first token has none."""
+        self._check_memory_held("sequence_logprobs")
         body = {
             "input_ids": token_ids,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
@@ -371,6 +380,28 @@ class SGLangEngine:
         """SGLang's own checksum of the weights it serves (`/weights_checker`, action checksum: a hash of every tensor
         on every rank)."""
         return self._post("/weights_checker", {"action": "checksum"}).json()["per_engine_checksum"]
+
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """`/release_memory_occupation` on a GPU, where `--enable-memory-saver` (a colocated server's) gives the memory
+        back; the server asserts it is idle, which the controller sees to (a release mid-generation kills its
+        scheduler). On a CPU the server keeps its memory; either way the engine serves nothing until resumed."""
+        tags = [tag for tag in check_memory_tags(tags) if tag not in self._released]
+        if tags and self._releases_on_server:
+            self._post("/release_memory_occupation", {"tags": tags})
+        self._released.update(tags)
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        tags = [tag for tag in check_memory_tags(tags) if tag in self._released]
+        if tags and self._releases_on_server:
+            self._post("/resume_memory_occupation", {"tags": tags})
+        self._released.difference_update(tags)
+
+    def _check_memory_held(self, what: str) -> None:
+        if self._released:  # the server would run on memory it gave back: its scheduler dies
+            raise RuntimeError(
+                f"{what}: sglang server at {self.url} released its {sorted(self._released)} memory; resume_memory (and "
+                f"push the weights) first"
+            )
 
     def _check_answers(self, answers: list[dict], version: int) -> None:
         failed = [answer.get("message") for answer in answers if not answer.get("success", False)]
@@ -417,8 +448,11 @@ def launch_command(
     lora_rank: int | None = None,
     lora_target_modules: list[str] | None = None,
     max_running_requests: int | None = None,
+    colocated_trainer_bytes: float | None = None,
 ) -> list[str]:
-    """The `python -m sglang.launch_server ...` command of one engine's server, bound to 127.0.0.1 on `port`."""
+    """The `python -m sglang.launch_server ...` command of one engine's server, bound to 127.0.0.1 on `port`.
+    `colocated_trainer_bytes`: what the trainer rank on the same GPU keeps there between steps (a colocated engine),
+    from which the server's share of the GPU is derived unless rollout.sglang.mem_fraction_static sets it."""
     on_cpu = torch_device(device).type == "cpu"
     command = [
         config.python or sys.executable,
@@ -451,8 +485,14 @@ def launch_command(
         command += ["--max-total-tokens", str(max_total_tokens)]
     if max_running_requests is not None:
         command += ["--max-running-requests", str(max_running_requests)]
-    if config.mem_fraction_static is not None:
-        command += ["--mem-fraction-static", str(config.mem_fraction_static)]
+    mem_fraction_static = config.mem_fraction_static
+    if colocated_trainer_bytes is not None and not on_cpu:
+        # Its memory goes back to the GPU around each train step (release_memory), which only the saver can do.
+        command.append("--enable-memory-saver")
+        if mem_fraction_static is None:  # SGLang's default would size its KV cache from memory the trainer needs
+            mem_fraction_static = colocated_engine_share(colocated_trainer_bytes, gpu_memory_bytes())
+    if mem_fraction_static is not None:
+        command += ["--mem-fraction-static", str(mem_fraction_static)]
     if lora_rank is not None:
         command += [
             "--enable-lora",

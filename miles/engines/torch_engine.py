@@ -11,6 +11,10 @@ new weights (SGLang's `pause_generation`/`continue_generation`): in mode `retrac
 on the new weights, in `in_place` it is kept (always for an adapter push: the other adapters' caches stay valid).
 Every token records the version of the weights that produced it.
 
+Colocated with a trainer, it releases its memory around the train step (`release_memory`): its weights are dropped
+(the parameters keep their shapes, not their storage) and come back empty for the push that follows; it holds no
+KV cache between generations, so on a GPU releasing that returns the allocator's cached blocks to the trainer.
+
 LoRA adapters are served with peft: every loaded adapter sits on the one base model, and a batch may mix
 requests of several adapters (and of the base), each row running through its own adapter.
 """
@@ -35,10 +39,12 @@ from transformers.cache_utils import DynamicCache
 from miles.checkpoint import tied_names, weights_dtype
 from miles.config import AdapterConfig, RolloutConfig
 from miles.engines.base import (
+    WEIGHTS,
     GenerateRequest,
     GenerateResult,
     GenerationProgress,
     check_adapters_loaded,
+    check_memory_tags,
     read_safetensors,
     shared_launch_args,
 )
@@ -59,7 +65,12 @@ class TorchEngine:
 
     @classmethod
     def launch_args(
-        cls, model_dir: str, weight_version: int, rollout: RolloutConfig, adapters: Sequence[AdapterConfig]
+        cls,
+        model_dir: str,
+        weight_version: int,
+        rollout: RolloutConfig,
+        adapters: Sequence[AdapterConfig],
+        colocated_trainer_bytes: float | None = None,  # it reserves nothing ahead: its KV cache grows with each batch
     ) -> dict[str, Any]:
         dtype = cls.served_dtype(model_dir, rollout)
         return {**shared_launch_args(model_dir, weight_version, rollout, dtype), "num_threads": rollout.num_threads}
@@ -98,6 +109,8 @@ class TorchEngine:
         self._weight_version = weight_version
         self._adapter_versions: dict[str, int] = {}
         self._weight_group = Membership()
+        self._released: set[str] = set()
+        self._released_shapes: dict[str, torch.Size] = {}  # the shape of each dropped parameter
         self._waiting: deque[_Sequence] = deque()
         self._batch: _Batch | None = None
         self._state = threading.Condition()
@@ -168,6 +181,45 @@ class TorchEngine:
         self._stop_decoding()
         del self.model
 
+    @torch.no_grad()
+    def release_memory(self, tags: Sequence[str]) -> None:
+        tags = [tag for tag in check_memory_tags(tags) if tag not in self._released]
+        with self._state:
+            while self._stepping:  # a step retires its finished rows after their callers were answered
+                self._state.wait()
+            if self._in_flight():
+                raise RuntimeError(f"release_memory needs an idle engine: {len(self._in_flight())} requests in flight")
+            if WEIGHTS in tags:
+                if self._adapter_versions:
+                    raise ValueError("an engine serving LoRA adapters keeps its base weights: they are never pushed")
+                for name, parameter in self.model.named_parameters():  # tied parameters are one, and stay tied
+                    self._released_shapes[name] = parameter.shape
+                    parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+            self._released.update(tags)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the caching allocator keeps freed blocks from the trainer otherwise
+
+    @torch.no_grad()
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        tags = [tag for tag in check_memory_tags(tags) if tag in self._released]
+        with self._state:
+            if WEIGHTS in tags:
+                for name, parameter in self.model.named_parameters():
+                    shape = self._released_shapes.pop(name)
+                    parameter.data = torch.empty(shape, dtype=parameter.dtype, device=parameter.device)
+            self._released.difference_update(tags)
+
+    def _check_memory_held(self, what: str) -> None:
+        if self._released:
+            raise RuntimeError(
+                f"{what}: the engine's {sorted(self._released)} memory is released; resume_memory (and push the "
+                f"weights) first"
+            )
+
+    def _check_weights_held(self) -> None:
+        if WEIGHTS in self._released:
+            raise RuntimeError("the engine's weights are released: resume_memory(['weights']) before a push")
+
     def _stop_decoding(self) -> None:
         """End the decode loop after its step, the requests in flight as aborted. Also at interpreter exit: torch
         aborts the process when a thread that ran it is still alive then."""
@@ -181,6 +233,7 @@ class TorchEngine:
 
     @torch.inference_mode()
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        self._check_weights_held()
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
         with self.paused(self.pause_generation_mode):
@@ -210,6 +263,7 @@ class TorchEngine:
         by bucket, into the model: tensor by tensor straight into the parameters, or as flattened buckets. A failed
         broadcast leaves the weights partly updated (as SGLang's do) until the next push lands; as SGLang, a name the
         model does not have is skipped, and the push check finds it out."""
+        self._check_weights_held()
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
         process_group = self._weight_group.of(group, rank_offset)
@@ -223,6 +277,7 @@ class TorchEngine:
 
     @torch.inference_mode()
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        self._check_memory_held("sequence_logprobs")
         with self.paused("in_place"):
             ids = torch.tensor([token_ids], device=self.device)
             model = self.model
@@ -235,6 +290,7 @@ class TorchEngine:
 
     def weights_checksum(self) -> str | None:
         """A sha256 of every base weight served (name and bytes), as SGLang's `/weights_checker` checksums them."""
+        self._check_weights_held()
         model = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
         with self.paused("in_place"):
             return weights_checksum(
@@ -246,6 +302,7 @@ class TorchEngine:
         engine is decoding for its other callers."""
         if not requests:
             return []
+        self._check_memory_held("generate")
         check_adapters_loaded(requests, self._adapter_versions)
         call = _Call([None] * len(requests), remaining=len(requests))
         keys = _row_keys(torch.tensor([r.seed for r in requests], dtype=torch.long)).tolist()

@@ -27,6 +27,8 @@ from miles.cluster import ENGINE_CONCURRENCY, HEALTH_TIMEOUT_S, actor_options, f
 from miles.config import AdapterConfig, RolloutConfig
 from miles.engines import resolve_engine
 from miles.engines.base import (
+    KV_CACHE,
+    WEIGHTS,
     EngineUnavailable,
     GenerateRequest,
     GenerateResult,
@@ -51,7 +53,10 @@ class EngineRestarted(RuntimeError):
 
 class InferenceController:
     """`rollout.num_engines` engines of kind `rollout.engine`, started from `model_dir` at `weight_version`.
-    `adapters` are the LoRA adapters the engines may be asked to serve (an SGLang server sizes its LoRA pool by them)."""
+    `adapters` are the LoRA adapters the engines may be asked to serve (an SGLang server sizes its LoRA pool by them).
+    Colocated (`colocated`: engine i on trainer rank i's GPU, a rank keeping `trainer_resident_bytes` there between
+    steps), the engines give their memory back while the trainer steps: `release_memory`, and the next push resumes
+    it."""
 
     def __init__(
         self,
@@ -60,10 +65,12 @@ class InferenceController:
         rollout: RolloutConfig,
         adapters: list[AdapterConfig] = (),
         colocated: ColocatedBundles | None = None,
+        trainer_resident_bytes: float | None = None,
     ):
         self.engine_class = resolve_engine(rollout.engine)
         self._rollout, self._adapter_configs = rollout, list(adapters)
-        self._engine_args = self.engine_class.launch_args(model_dir, weight_version, rollout, adapters)
+        self._trainer_resident_bytes = trainer_resident_bytes if colocated is not None else None
+        self._engine_args = self._launch_args(model_dir, weight_version)
         self.ranks_per_engine = self.engine_class.ranks(rollout)
         self._colocated = colocated  # engine i in pair i's bundle, else GPUs of its own
         self._engine_options = actor_options(rollout.device, self.ranks_per_engine, ENGINE_CONCURRENCY)
@@ -83,7 +90,17 @@ class InferenceController:
         # Held by a push or a restart: one at a time, so that a restarted engine is given the weights of the last
         # push that landed. Reentrant: a push whose engine died restarts it.
         self._engines_lock = threading.RLock()
+        # Released memory per engine (MEMORY_TAGS); generations in flight, counted so that memory is released only
+        # between them: both under _memory_lock.
+        self._released: dict[int, set[str]] = {i: set() for i in range(rollout.num_engines)}
+        self._generating = 0
+        self._memory_lock = threading.Lock()
         self.engines = [self._start_engine(i) for i in range(rollout.num_engines)]
+
+    def _launch_args(self, model_dir: str, weight_version: int) -> dict:
+        return self.engine_class.launch_args(
+            model_dir, weight_version, self._rollout, self._adapter_configs, self._trainer_resident_bytes
+        )
 
     def _start_engine(self, index: int) -> ray.actor.ActorHandle:
         options = engine_options(self._engine_options, index, self._colocated)
@@ -94,9 +111,48 @@ class InferenceController:
         return [location_of(engine) for engine in self.engines]
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        """Results in request order."""
+        """Results in request order; engines that released their KV cache take it back first."""
         check_adapters_loaded(requests, self._adapters)
-        return self._generate_on_engines(requests)
+        if any(self._released.values()):
+            with self._engines_lock, self._memory_lock:  # in this order everywhere: a resume may restart an engine
+                self._resume({i: tags for i, tags in self._released.items() if tags}, [KV_CACHE])
+        with self._memory_lock:
+            if any(self._released.values()):
+                raise RuntimeError(
+                    "the engines released their weights for a train step: push weights before generating"
+                )
+            self._generating += 1
+        try:
+            return self._generate_on_engines(requests)
+        finally:
+            with self._memory_lock:
+                self._generating -= 1
+
+    def release_memory(self, weights: bool) -> None:
+        """Colocated: every engine releases its KV cache, and its weights when `weights`, for the trainer beside it;
+        a schedule asks it where no generation runs until the next push (`weights`) or the next generation (which
+        takes the KV cache back). Not colocated, the engines keep their memory."""
+        if self._trainer_resident_bytes is None:
+            return
+        tags = [KV_CACHE, WEIGHTS] if weights else [KV_CACHE]
+        with self._engines_lock, self._memory_lock:
+            if self._generating:  # a server asserts it is idle: its scheduler would die
+                raise RuntimeError(f"release_memory with {self._generating} generations in flight")
+            calls = {i: ([tag for tag in tags if tag not in held],) for i, held in self._released.items()}
+            calls = {i: args for i, args in calls.items() if args[0]}
+            if calls:
+                self._on_engines(RolloutEngine.release_memory, calls)
+                for i, (released,) in calls.items():
+                    self._released[i].update(released)
+
+    def _resume(self, released: dict[int, set[str]], tags: list[str]) -> None:
+        """Engines in `released` take back the memory of `tags`; called holding _memory_lock."""
+        calls = {i: ([tag for tag in tags if tag in held],) for i, held in released.items()}
+        calls = {i: args for i, args in calls.items() if args[0]}
+        if calls:
+            self._on_engines(RolloutEngine.resume_memory, calls)
+            for i, (resumed,) in calls.items():
+                self._released[i].difference_update(resumed)
 
     def _generate_on_engines(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Contiguous shards, one per engine; per-request seeds make the result independent of the split."""
@@ -200,6 +256,7 @@ class InferenceController:
                     _try_shutdown(engine)
                 ray.kill(engine)
                 self.engines[i] = self._start_engine(i)
+                self._released[i] = set()
                 restarted.append(i)
         if restarted:
             self._landed_checksums = None
@@ -228,16 +285,28 @@ class InferenceController:
     def weight_version(self) -> int:
         return self._weight_version
 
+    def serves(self, version: int) -> bool:
+        """Every engine holds weights `version`, in memory (none released its weights since)."""
+        return version == self._weight_version and not any(WEIGHTS in tags for tags in self._released.values())
+
     def update_weights(self, push: WeightPush) -> None:
-        """Push full weights to every engine as `push.version` (a push of the version they hold is skipped)."""
-        if push.version == self._weight_version:
+        """Push full weights to every engine as `push.version` (a push of the version they serve is skipped). Engines
+        that released their memory take back their weights' first and their KV cache after: the push's buffers and
+        the trainer's still fit beside the weights alone."""
+        if self.serves(push.version):
             return
         with self._engines_lock:
             engines = range(len(self.engines))
-            before = (self._landed_checksums or self._checksums()) if push.probe is not None else {}
+            with self._memory_lock:
+                released = {i: set(tags) for i, tags in self._released.items() if tags}
+            before = (self._landed_checksums or self._checksums(released)) if push.probe is not None else {}
             self._landed_checksums = None
+            with self._memory_lock:
+                self._resume(released, [WEIGHTS])
             results = self._on_engines(push.method, {i: push.engine_args(i) for i in engines}, alongside=push.send)
             push.check(dict(zip(engines, results, strict=True)))
+            with self._memory_lock:
+                self._resume(released, [KV_CACHE])
             after = self._checksums() if push.probe is not None else None
             if push.probe is not None:
                 push.probe.check_moved(self._held, before, after, push.version)
@@ -248,8 +317,11 @@ class InferenceController:
             self._landed_checksums = after
         push.landed()
 
-    def _checksums(self) -> dict[int, str | None]:
-        return dict(enumerate(self._on_every_engine(RolloutEngine.weights_checksum)))
+    def _checksums(self, released: dict[int, set[str]] | None = None) -> dict[int, str | None]:
+        """Each engine's weights checksum; None for those that released their weights (and hold none to hash)."""
+        asked = {i: () for i in range(len(self.engines)) if WEIGHTS not in (released or {}).get(i, ())}
+        answers = dict(zip(asked, self._on_engines(RolloutEngine.weights_checksum, asked), strict=True))
+        return {i: answers.get(i) for i in range(len(self.engines))}
 
     def hold(self, probe: WeightProbe) -> None:
         """The engines serve the weights `probe` was taken of (they started from the trainer's checkpoint): the next
@@ -274,7 +346,8 @@ class InferenceController:
         """After `shutdown`: as many engines as before, started from `model_dir` at `weight_version`, with the adapters
         they served."""
         with self._engines_lock:
-            args = self.engine_class.launch_args(model_dir, weight_version, self._rollout, self._adapter_configs)
+            args = self._launch_args(model_dir, weight_version)
+            self._released = {i: set() for i in range(self._rollout.num_engines)}
             self._engine_args, self._push, self._weight_version, self._held = args, None, weight_version, None
             self._landed_checksums = None
             self.engines = [self._start_engine(i) for i in range(self._rollout.num_engines)]

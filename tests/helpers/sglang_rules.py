@@ -60,6 +60,7 @@ RESOLVED_FIELDS = (
     "max_lora_rank",
     "max_loras_per_batch",
     "lora_target_modules",
+    "enable_memory_saver",
 )
 NO_FIELD = "(ServerArgs has no such field)"
 

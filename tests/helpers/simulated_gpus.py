@@ -6,8 +6,9 @@ exist, so that Ray's GPU accounting, placement groups and CUDA_VISIBLE_DEVICES a
 
 Three runs of the plain loops on rollout.device=cuda and train.device=cuda, one after another on one cluster: the sync
 loop with 4 engines apart from 2 trainer ranks, the sync loop with 2 SGLang stand-ins colocated with 2 trainer ranks
-(each taking its rank's tensor payloads), and the multi-LoRA loop with two trainer groups. Prints, as JSON on its last line, each run's placement (run.json's, or read
-from its actors) and what it trained."""
+(each taking its rank's tensor payloads, and releasing its memory for every train step), and the multi-LoRA loop with
+two trainer groups. Prints, as JSON on its last line, each run's placement (run.json's, or read from its actors), what
+it trained, and for the colocated run what each release left the engines able to do."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ GPUS_PER_NODE = 8
 def main(model_dir: str, work_dir: str) -> None:
     import ray
 
+    from miles.engines.base import GenerateRequest
     from miles.loop import run_multi_lora, run_sync
     from miles.multi_lora import MultiLoRARun
     from miles.placement import location_of, simulated_cluster
+    from miles.rollout.inference_controller import InferenceController
     from miles.run_dir import RunDir
     from tests.helpers import sglang_overrides, small_config_for
 
@@ -45,11 +48,26 @@ def main(model_dir: str, work_dir: str) -> None:
                 }
 
             sync("apart", "rollout.num_engines=4", "train.num_workers=2")
+            releases: list = []
+            original_release = InferenceController.release_memory
+
+            def release_and_try(controller: InferenceController, weights: bool) -> None:
+                """Each release, and what an engine answers a generation right after it (it must refuse)."""
+                original_release(controller, weights)
+                try:
+                    ray.get(controller.engines[0].generate.remote([GenerateRequest(prompt_ids=[1, 2])]))
+                    answer = "generated"
+                except ray.exceptions.RayTaskError as exc:
+                    answer = str(exc.cause)
+                releases.append({"weights": weights, "generate": answer})
+
+            InferenceController.release_memory = release_and_try
             sync(
                 "colocated_sglang", *sglang_overrides(), "rollout.colocate=true", "rollout.num_engines=2",
-                "train.num_workers=2", "rollout.sglang.mem_fraction_static=0.5",
-                "rollout.sglang.attention_backend=triton",  # the GPU backend that serves the float32 model
+                "train.num_workers=2", "rollout.sglang.attention_backend=triton",  # serves the float32 model
             )  # fmt: skip
+            InferenceController.release_memory = original_release
+            report["colocated_sglang"]["releases"] = releases
 
             adapters = (
                 "adapters=[{name: add, data: {task: addition, reward: digit_match}, num_steps: 2, rollout_batch_size: 4,"

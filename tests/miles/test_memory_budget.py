@@ -6,7 +6,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from miles.config import load_config
-from miles.memory_budget import GIB, ModelShape, budget, trainer_parts
+from miles.memory_budget import GIB, ModelShape, budget, colocated_engine_share, resident_bytes, trainer_parts
 
 SHAPE = ModelShape(parameters=10**9, layers=10, hidden=1000, dtype="bfloat16")
 GPU_RUN = [
@@ -55,25 +55,39 @@ def test_a_sharded_bf16_trainer_rank_holds_its_share_of_every_state_and_one_micr
     }
 
 
-def test_a_colocated_gpu_holds_the_trainer_and_its_engines_share_and_is_refused_past_it():
+def test_a_colocated_gpu_holds_the_trainer_step_or_the_engine_beside_its_resident_states_and_is_refused_past_it():
     overrides = [*GPU_RUN, "rollout.colocate=true", "train.max_tokens_per_micro_batch=1000"]
     config = load_config(None, [*overrides, "rollout.sglang.mem_fraction_static=0.3"])
-    (gpu,) = budget(config, SHAPE, gpu_gib=80)
-    assert gpu.parts["engine weights"] == 2e9 and gpu.parts["engine weights"] + gpu.parts["KV cache"] == 0.3 * 80 * GIB
-    assert gpu.parts["master weights"] == 4e9  # one unsharded rank
+    stepping, generating = budget(config, SHAPE, "bfloat16", gpu_gib=80)
+    assert stepping.parts == trainer_parts(config, SHAPE)  # the engine released its weights and KV cache
+    assert stepping.parts["master weights"] == 4e9  # one unsharded rank
+    assert "activations" not in generating.parts and generating.parts["Adam moments"] == 8e9
+    assert generating.parts["engine weights"] == 2e9
+    assert generating.parts["engine weights"] + generating.parts["KV cache"] == 0.3 * 80 * GIB
     with pytest.raises(
-        ValueError, match=r"trainer rank and its engine: .* of 20 GiB .* does not fit in 90% of the GPU"
+        ValueError, match=r"engine generating beside its trainer rank: .* of 20 GiB .* does not fit in 90% of the GPU"
     ):
-        budget(config, SHAPE, gpu_gib=20)
+        budget(config, SHAPE, "bfloat16", gpu_gib=20)
     tight = load_config(None, [*overrides, "rollout.sglang.mem_fraction_static=0.02"])
     with pytest.raises(
         ValueError, match=r"mem_fraction_static=0.02 of a 80 GiB GPU does not hold the engine's weights"
     ):
-        budget(tight, SHAPE, gpu_gib=80)
+        budget(tight, SHAPE, "bfloat16", gpu_gib=80)
+
+
+def test_a_colocated_engine_is_given_what_its_trainer_rank_leaves_of_the_usable_memory():
+    config = load_config(None, [*GPU_RUN, "rollout.colocate=true", "train.max_tokens_per_micro_batch=1000"])
+    resident = resident_bytes(trainer_parts(config, SHAPE))
+    assert resident == 16e9  # master weights 4e9, gradients 4e9, Adam moments 8e9: no activations between steps
+    assert colocated_engine_share(resident, 80 * GIB) == 0.713  # 0.9 - 0.186, rounded down
+    _, generating = budget(config, SHAPE, "bfloat16", gpu_gib=80)
+    assert generating.parts["engine weights"] + generating.parts["KV cache"] == pytest.approx(0.713 * 80 * GIB)
+    with pytest.raises(ValueError, match=r"keeps 16.0 GiB of its 16 GiB GPU between steps: no room"):
+        colocated_engine_share(16 * GIB, 16 * GIB)
 
 
 def test_apart_the_trainer_and_the_engine_are_budgeted_on_gpus_of_their_own():
     config = load_config(None, [*GPU_RUN, "train.max_tokens_per_micro_batch=1000"])
-    trainer, engine = budget(config, SHAPE, gpu_gib=80)
+    trainer, engine = budget(config, SHAPE, "bfloat16", gpu_gib=80)
     assert trainer.name == "trainer rank" and "engine weights" not in trainer.parts
     assert engine.parts == {"engine weights": 2e9}  # bf16; the KV cache is SGLang's to size on its own GPU

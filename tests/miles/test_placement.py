@@ -43,7 +43,7 @@ def test_a_transport_the_assigned_placement_cannot_carry_is_refused_at_start():
 @pytest.mark.slow
 def test_runs_on_a_simulated_8_gpu_node_place_engines_on_distinct_gpus_or_pair_them(tiny_model_dir, tmp_path):
     """The sync loop with 4 engines apart from 2 trainer ranks, with 2 SGLang stand-ins colocated with 2 ranks (each
-    taking its rank's tensor payloads), and the multi-LoRA loop with two trainer groups, each training on a node of 8
+    taking its rank's tensor payloads, and giving its memory to the trainer for each step), and the multi-LoRA loop with two trainer groups, each training on a node of 8
     simulated GPUs."""
     done = subprocess.run(
         [sys.executable, "-m", "tests.helpers.simulated_gpus", str(tiny_model_dir), str(tmp_path)],
@@ -71,6 +71,11 @@ def test_runs_on_a_simulated_8_gpu_node_place_engines_on_distinct_gpus_or_pair_t
     assert engines == trainer and len(set(engines)) == 2  # engine i on trainer rank i's GPU, the pairs apart
     assert colocated["placement"]["colocated"] and colocated["trained"] == [0, 1]
     assert colocated["placement"]["transport"] == "tensor"  # each rank hands its engine its payloads
+    # Before each train step both engines gave back their KV cache and weights (a push followed each rollout) and
+    # refused to generate until the push brought them back; the push check then passed on the refilled weights.
+    assert [release["weights"] for release in colocated["releases"]] == [True, True]
+    for release in colocated["releases"]:
+        assert "released its ['kv_cache', 'weights'] memory; resume_memory" in release["generate"]
 
     multi_lora = report["multi_lora"]
     engines = gpus(multi_lora["engines"])

@@ -25,8 +25,11 @@ with SGLang's request fields, response JSON and status codes:
   `weight_versions`, spans `{version, start, end}` (end exclusive) over the output tokens.
 - `--max-running-requests`: the requests decoded at once (continuous batching, as the TorchEngine does it).
 - LoRA (with `--enable-lora`): `/load_lora_adapter` (a name loaded twice is refused), `/unload_lora_adapter`.
-- `/health`, `/health_generate` (a one-token generation; 503 while generation is paused or a weight update is
-  open, as SGLang cannot run its probe then), `/model_info`.
+- `/release_memory_occupation` and `/resume_memory_occupation` `{tags}` (SGLang's `kv_cache`, `weights`; none: both):
+  the engine drops its weights (they come back empty, for the push that follows) as SGLang's memory saver does; a
+  release while a request runs takes the server down, as SGLang's scheduler asserts it is idle.
+- `/health`, `/health_generate` (a one-token generation; 503 while generation is paused, a weight update is
+  open or memory is released, as SGLang cannot run its probe then), `/model_info`.
 - `/metrics` (with `--enable-metrics`): `sglang:num_requests_total` and `sglang:generation_tokens_total`, counted
   when a request finishes, in Prometheus' text format.
 It generates with a TorchEngine, so tokens and log-probs are real; as SGLang, it honours `sampling_seed` only with
@@ -58,7 +61,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
+from miles.engines.base import MEMORY_TAGS, GenerateRequest, SamplingParams, eos_token_ids
 from miles.engines.torch_engine import TorchEngine
 from miles.weight_group import WeightGroup, join, leave, receive_bucket
 
@@ -113,6 +116,7 @@ class StandInServer:
         self.weight_version = args.weight_version
         self.lora_paths: dict[str, str] = {}
         self.in_weight_update = False
+        self.released: set[str] = set()  # memory given back by /release_memory_occupation
         self.fault_status: int | None = None
         self.null_logprobs = False  # /test_fault: log-probs come back null, as SGLang may give them
         self.die_on_load = False  # /test_fault: the next weight load takes the server down, as a failed one can
@@ -288,8 +292,19 @@ class StandInServer:
         text = self.tokenizer.decode(output_ids, skip_special_tokens=params.get("skip_special_tokens", True))
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
+    def release_memory(self, tags: list[str] | None) -> None:
+        if self.running:  # SGLang's scheduler asserts it is idle, and dies
+            print("AssertionError: release_memory_occupation should be called only when server is idle.", flush=True)
+            os._exit(1)
+        self.engine.release_memory(tags or MEMORY_TAGS)
+        self.released.update(tags or MEMORY_TAGS)
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        self.engine.resume_memory(tags or MEMORY_TAGS)
+        self.released.difference_update(tags or MEMORY_TAGS)
+
     def health_generate(self) -> Response:
-        if self._paused or self.in_weight_update:  # SGLang cannot run its probe: a healthy server looks dead
+        if self._paused or self.in_weight_update or self.released:  # SGLang cannot run its probe
             return Response(status_code=503)
         if self.running:  # busy generating is alive
             return Response(status_code=200)
@@ -608,6 +623,16 @@ def build_app(server: StandInServer) -> FastAPI:
     @app.api_route("/weights_checker", methods=["GET", "POST"])
     def weights_checker(body: dict):
         return server.check_weights(body)
+
+    @app.post("/release_memory_occupation")
+    def release_memory_occupation(body: dict):
+        server.release_memory(body.get("tags"))
+        return {}
+
+    @app.post("/resume_memory_occupation")
+    def resume_memory_occupation(body: dict):
+        server.resume_memory(body.get("tags"))
+        return {}
 
     @app.post("/load_lora_adapter")
     def load_lora_adapter(body: dict):

@@ -341,6 +341,29 @@ def test_a_tensor_push_lands_bucket_by_bucket(server, contract_model_dir, tokeni
     _assert_same(server.generate(requests), twin.generate(requests))
 
 
+def test_memory_released_for_a_train_step_comes_back_with_the_push(
+    server, contract_model_dir, tokenizer, original_weights
+):
+    """Pins: an engine whose memory is released serves nothing until resumed, and weights resumed and pushed, then the
+    KV cache, serve the pushed weights. On a CPU the server is asked nothing: SGLang 0.5.23's release ends in
+    torch.cuda.synchronize, which kills its scheduler where there is no GPU (the endpoints' bodies are checked
+    against SGLang's request classes in test_sglang_rules.py, and the stand-in's drop of the weights in the simulated
+    GPU runs of test_placement.py)."""
+    requests = _greedy(tokenizer)
+    server.generate(requests)  # the prompts are now in the prefix cache
+    server.release_memory(["kv_cache", "weights"])
+    with pytest.raises(RuntimeError, match=r"released its \['kv_cache', 'weights'\] memory"):
+        server.generate(requests)
+    server.resume_memory(["weights"])
+    weights = perturbed_weights(contract_model_dir, 6, 0.05)
+    server.update_weights_from_tensor([serialize_named_tensors(b) for b in in_buckets(weights, 2)], 8)
+    server.resume_memory(["kv_cache"])
+    assert server.health()
+    twin = TorchEngine(str(contract_model_dir), weight_version=8, num_threads=1)
+    twin.update_weights(weights, 8)
+    _assert_same(server.generate(requests), twin.generate(requests))
+
+
 def test_a_push_in_the_middle_of_a_generation_is_recorded_per_token(
     server, contract_model_dir, tokenizer, tmp_path, original_weights
 ):

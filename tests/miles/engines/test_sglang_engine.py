@@ -407,16 +407,3 @@ def test_float32_on_a_gpu_backend_that_refuses_it_is_refused_before_any_server_s
         ValueError, match=r"attention_backend=fa3 takes 16-bit weights only, and rollout.dtype serves float32"
     ):
         SGLangEngine.launch_args(str(tiny_model_dir), 0, config.rollout, [])
-
-
-def test_a_colocated_server_without_its_memory_share_is_refused_before_it_starts(tiny_model_dir):
-    config = load_config(
-        None, [f"model.path={tiny_model_dir}", "rollout.engine=sglang", "rollout.device=cuda", "train.device=cuda",
-               "rollout.colocate=true", "rollout.dtype=bfloat16"]
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=r"rollout.colocate=true: set rollout.sglang.mem_fraction_static"):
-        SGLangEngine.launch_args(str(tiny_model_dir), 0, config.rollout, [])
-    shared = config.rollout.model_copy(
-        update={"sglang": config.rollout.sglang.model_copy(update={"mem_fraction_static": 0.5})}
-    )
-    assert SGLangEngine.launch_args(str(tiny_model_dir), 0, shared, [])["config"].mem_fraction_static == 0.5

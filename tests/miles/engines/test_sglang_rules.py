@@ -25,9 +25,11 @@ from miles.config import AdapterConfig, ModelConfig, RolloutConfig, SGLangConfig
 from miles.engines import sglang_engine
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import CPU_KV_CACHE_TOKENS, SGLangEngine
+from miles.memory_budget import colocated_engine_share
 from miles.models.tiny import build_tiny_model
 from miles.tensor_payload import serialize_named_tensors
 from miles.weight_group import FLATTENED, WeightGroup
+from tests.helpers.sglang_rules import H100_MEMORY_MIB
 
 pytestmark = pytest.mark.sglang_contract
 
@@ -55,6 +57,8 @@ ENDPOINTS = {
     "/load_lora_adapter",
     "/unload_lora_adapter",
     "/weights_checker",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
 }
 TINY_VOCAB = 16
 
@@ -134,6 +138,13 @@ def _launch_commands(model_dirs) -> dict[str, tuple[list[str], dict | None]]:
     launches["colocated"] = _from_config(
         qwen, _rollout("rollout.device=cuda", "rollout.colocate=true", "rollout.sglang.mem_fraction_static=0.5")
     )
+    # Its share derived from what the trainer rank beside it keeps (16 GiB) on an H100 (80 GiB, as CUDA reports it).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sglang_engine, "gpu_memory_bytes", lambda: H100_MEMORY_MIB * 2**20)
+        colocated = _rollout("rollout.device=cuda", "rollout.colocate=true")
+        launches["colocated-derived"] = _started(
+            lambda: SGLangEngine(**SGLangEngine.launch_args(str(qwen), 0, colocated, (), 16 * 2**30))
+        )
     adapters = [AdapterConfig(name="math", rank=8), AdapterConfig(name="code", rank=16, target_modules=["q_proj"])]
     launches["lora-tp2"] = _from_config(
         qwen,
@@ -198,6 +209,7 @@ def _request_bodies(tmp_path: Path) -> list[tuple[str, dict]]:
     engine.model_dir, engine.url, engine.timeout_s = tmp_path, "http://127.0.0.1:9", 30.0
     engine.config, engine.pause_generation_mode = SGLangConfig(), "retract"
     engine._weight_version, engine._adapter_versions, engine._weight_group = 0, {}, None
+    engine._released, engine._releases_on_server = set(), True  # a colocated server on a GPU
     engine._work_dir, engine._log_path, engine._process = tmp_path, tmp_path / "server.log", _Running()
     engine._http = httpx.Client(base_url=engine.url, transport=httpx.MockTransport(server))
 
@@ -217,6 +229,9 @@ def _request_bodies(tmp_path: Path) -> list[tuple[str, dict]]:
     engine.pause_generation_mode = "in_place"
     engine.update_weights_from_disk(str(tmp_path), 5)
     engine.weights_checksum()
+    engine.release_memory(["kv_cache", "weights"])
+    engine.resume_memory(["weights"])
+    engine.resume_memory(["kv_cache"])
     lora = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)}
     peft = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
     engine.load_adapter("math", lora, peft, 1)
@@ -309,6 +324,14 @@ def test_a_colocated_launch_keeps_its_memory_share(rules):
     resolved = _resolved(rules, "colocated")
     assert resolved["mem_fraction_static"] == 0.5 and resolved["dtype"] == "bfloat16" and resolved["tp_size"] == 1
     assert resolved["attention_backend"] == "fa3" and resolved["enable_deterministic_inference"] is True
+
+
+def test_a_colocated_launch_without_a_share_gets_what_its_trainer_leaves_and_the_memory_saver(rules):
+    """Pins: --enable-memory-saver (release and resume give memory back only with it) and --mem-fraction-static as
+    derived: 90% of the H100 less the 16 GiB its trainer rank keeps between steps."""
+    resolved = _resolved(rules, "colocated-derived")
+    assert resolved["enable_memory_saver"] is True
+    assert resolved["mem_fraction_static"] == colocated_engine_share(16 * 2**30, H100_MEMORY_MIB * 2**20) == 0.699
 
 
 def test_a_lora_launch_on_two_gpus_sizes_its_adapter_pool(rules):
