@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the engine and trainers on CUDA (scripts/gpu_check.py: correctness, a model of a
-# pretrained model's size in bf16, throughput), in one process, with no Ray and no Prefect; the wheels it needs
+# pretrained model's size in bf16, throughput), in one process, with no Ray and no Prefect, and the peak memory of a
+# colocated engine that releases its memory for the train step vs one that keeps it; the wheels it needs
 # beyond the machine's own packages come from .whl/ (`make gpu-wheels`), installed with no package index. Then, where
 # Ray and Prefect are installed, the sync flow for a few iterations with the TorchEngine and trainer on the GPU (the
 # trainer unsharded in float32, then FSDP2 in bfloat16, with the trainer-vs-engine log-prob gap, then with weights
@@ -17,6 +18,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 "$PY" scripts/gpu_check.py "$@"
+# A colocated torch engine and trainer on one GPU: the peak of CUDA's allocator with the engine releasing its memory
+# for each train step vs keeping it (release_memory / resume_memory).
+if [[ " $* " == *" --dry-run "* ]]; then
+  "$PY" -m benchmarks.colocated_memory --smoke
+else
+  "$PY" -m benchmarks.colocated_memory --device cuda
+fi
 if [[ " $* " == *" --dry-run "* ]] || ! "$PY" -c "import ray, prefect" 2>/dev/null; then
   echo "the flow runs are skipped (a dry run, or no Ray or Prefect here)"
   exit 0

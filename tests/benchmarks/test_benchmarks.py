@@ -19,6 +19,7 @@ SCRIPTS = sorted(path.stem for path in (PROJECT / "benchmarks").glob("*.py") if 
 FIGURES = {
     "async_vs_sync": "speedup",
     "chaos": "chaos_kills",
+    "colocated_memory": "colocated_memory_ratio",
     "engine_throughput": "engine_speedup",
     "episodes": "episode_batching_speedup",
     "events_lineage": "events_lineage_ratio",
