@@ -27,15 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.multi_lora_memory import rss_mib
 from benchmarks.smoke import parse_args
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def _child(model_dir: str, release: bool, args: argparse.Namespace) -> None:
@@ -58,7 +51,7 @@ def _child(model_dir: str, release: bool, args: argparse.Namespace) -> None:
         run_dir=str(run_dir),
     )  # fmt: skip
     cuda = args.device.startswith("cuda")
-    baseline = torch.cuda.memory_allocated() / 2**20 if cuda else _rss_mib()
+    baseline = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mib()
     engine = TorchEngine(model_dir, device=args.device, num_threads=args.threads)
     trainer = TrainActor(config, model_dir)
     sampling = SamplingParams(max_new_tokens=args.new_tokens)  # no stop tokens: every row runs the full length

@@ -26,7 +26,8 @@ from pathlib import Path
 from benchmarks.smoke import parse_args
 
 
-def _rss_mib() -> float:
+def rss_mib() -> float:
+    """This process's resident memory now, in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -41,7 +42,7 @@ def _child(model_dir: str, adapters_dir: str, adapters: int, batch: int, new_tok
     from miles.engines.base import GenerateRequest, SamplingParams
     from miles.engines.torch_engine import TorchEngine
 
-    after_imports = _rss_mib()
+    after_imports = rss_mib()
     engine = TorchEngine(model_dir, num_threads=threads)
     config = json.loads((Path(adapters_dir) / "adapter_config.json").read_text())
     names = [f"adapter-{i}" for i in range(adapters)]
