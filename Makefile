@@ -86,9 +86,10 @@ gpu-check-dry-run: gpu-wheels
 
 # Lint and format checks first: a failing one stops the run before the slow tests. Most tests are whole runs and
 # servers that leave a core idle much of the time (engine and trainer take turns, processes start, flows poll): two at
-# once. One at a time, after them: the learning runs (their bars were measured on a machine to themselves, and the
-# asynchronous flows learn by when weight pushes land) and the tests that time engines, servers or checks.
-ONE_AT_A_TIME := tests/e2e/test_learning.py tests/miles/engines/test_sglang_contract.py \
+# once. One at a time, after them: the learning runs of the flows that generate while they train (they learn by when
+# weight pushes land; the sync runs make the same updates on a busy machine) and the tests that time engines, servers
+# or checks.
+ONE_AT_A_TIME := tests/e2e/test_learning_concurrent.py tests/miles/engines/test_sglang_contract.py \
 	tests/miles/engines/test_sglang_engine.py tests/miles/engines/test_torch_engine.py \
 	tests/miles/engines/test_torch_engine_adapters.py tests/e2e/test_bad_input.py \
 	tests/miles/rewards/test_verifiers.py tests/miles/test_run_lock.py

@@ -3,7 +3,7 @@ number of rollouts, run one after the other in one process (the plain sync loop)
 
 For each: the sampled reward over the first and the last 20 rollouts, and the greedy accuracy on every sum of the
 task (10,000) before and after training: on the default evaluation's 200 sums, the churn of greedy answers alone
-moves a gain by a standard deviation of 0.04 (tests/e2e/test_learning.py), as much as the gains compared. PPO's
+moves a gain by a standard deviation of 0.04 (tests/helpers/learning.py), as much as the gains compared. PPO's
 settings beyond the estimator: --ppo-set (by default a critic warm-up of 10 rollouts).
 
 Last line: `ppo_vs_grpo_greedy_gain <PPO's gain in greedy accuracy / GRPO's>`.

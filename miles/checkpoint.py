@@ -15,9 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from miles.atomic import write_json_atomic
 
@@ -43,6 +40,12 @@ def save_optimizer(
     `master_weights`, the parameters themselves too (`<name>/master_weight`): the model directory beside it holds
     them in the model's narrower dtype, and a resume continues from these. With a sharded model a collective that
     every rank calls; the directory must be the same (shared) one on every rank."""
+    # Imported here, not with the module: the engines read this module's helpers, and this import takes a second of
+    # every engine start.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     state = get_optimizer_state_dict(model, optimizer)
     tensors, scalars = {}, {}
     for name, entries in state["state"].items():
@@ -62,6 +65,10 @@ def save_optimizer(
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Restore what save_optimizer wrote, whatever number of ranks wrote it: each rank reads the slices of its own
     shards (a collective with a sharded model); saved master weights go into the parameters."""
+    import torch.distributed.checkpoint as dcp  # not with the module: see save_optimizer
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     source = str(directory / OPTIMIZER_DIR)
     meta = json.loads((directory / OPTIMIZER_DIR / OPTIMIZER_META).read_text())
     parameters = dict(model.named_parameters())

@@ -17,8 +17,13 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
 
 @pytest.fixture(scope="session")
-def model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("model-cache")
+def model_cache(tmp_path_factory, worker_id) -> Path:
+    """One model cache for the session's pytest-xdist workers: each model is built once, by the first worker that
+    needs it, while the others wait for it (miles.models.tiny.ensure_embedded_model)."""
+    root = tmp_path_factory.getbasetemp()
+    path = (root if worker_id == "master" else root.parent) / "model-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ requests of several adapters (and of the base), each row running through its own
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import time
 from collections import deque
@@ -32,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
@@ -50,11 +50,19 @@ from miles.engines.base import (
 )
 from miles.placement import torch_device
 from miles.train.logprobs import token_logprobs
-from miles.train.lora import is_adapter_key
 from miles.weight_check import weights_checksum
 from miles.weight_group import Membership, TensorSpec, WeightGroup, receive_bucket
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+def _serves_adapters(model: torch.nn.Module) -> bool:
+    """Whether `model` is the base wrapped by peft with its adapters. peft is imported by the first adapter load, not
+    by every engine start (its import takes seconds): until then no model is a PeftModel."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
 PAUSE_MODES = ("abort", "retract", "in_place")  # as SGLang's /pause_generation
 _MASK32 = 0xFFFFFFFF
 
@@ -136,10 +144,14 @@ class TorchEngine:
     @torch.no_grad()  # not inference_mode: peft flips requires_grad on adapter tensors when one is deleted
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
         """Load (or replace) LoRA adapter `name` from its PEFT state dict and adapter_config.json contents."""
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        from miles.train.lora import is_adapter_key
+
         lora = LoraConfig(**{k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__})
         # In place: the other adapters' rows keep their KV cache, which the new adapter leaves as it was.
         with self.paused("in_place"):
-            if not isinstance(self.model, PeftModel):
+            if not _serves_adapters(self.model):
                 self.model = get_peft_model(self.model, lora, adapter_name=name).eval()
             elif name not in self.model.peft_config:
                 self.model.add_adapter(name, lora)
@@ -281,7 +293,7 @@ class TorchEngine:
         with self.paused("in_place"):
             ids = torch.tensor([token_ids], device=self.device)
             model = self.model
-            if isinstance(model, PeftModel):
+            if _serves_adapters(model):
                 with model.disable_adapter():
                     logits = model(input_ids=ids).logits
             else:
@@ -291,7 +303,7 @@ class TorchEngine:
     def weights_checksum(self) -> str | None:
         """A sha256 of every base weight served (name and bytes), as SGLang's `/weights_checker` checksums them."""
         self._check_weights_held()
-        model = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        model = self.model.get_base_model() if _serves_adapters(self.model) else self.model
         with self.paused("in_place"):
             return weights_checksum(
                 (name, tensor) for name, tensor in model.state_dict().items() if "lora_" not in name
@@ -411,7 +423,7 @@ class TorchEngine:
         self._busy_s += time.perf_counter() - started
 
     def _adapter_kwargs(self, sequences: list[_Sequence]) -> dict:
-        if not isinstance(self.model, PeftModel):
+        if not _serves_adapters(self.model):
             return {}
         return {"adapter_names": [s.request.adapter or BASE_ADAPTER for s in sequences]}
 

@@ -6,6 +6,7 @@ second run reuses the directory and a changed setting builds a new one.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -96,18 +97,27 @@ def default_cache_root() -> Path:
 
 def ensure_embedded_model(config: ModelConfig, tasks: Sequence[str], seed: int, cache_root: Path | None = None) -> Path:
     """Return the directory of the embedded model warmed up on the built-in `tasks`, built once per setting."""
-    from miles.models.warmup import warm_up
-
     tasks = sorted(set(tasks))
     root = cache_root or default_cache_root()
     target = root / f"tiny-{'-'.join(tasks)}-{_cache_key(config, tasks, seed)}"
     if (target / "warmup.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    # One build per model on this machine: a run starting while another builds the same model waits for it.
+    with open(root / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "warmup.json").exists():
+            _build(target, config, tasks, seed)
+    return target
+
+
+def _build(target: Path, config: ModelConfig, tasks: list[str], seed: int) -> None:
+    from miles.models.warmup import warm_up
+
     tokenizer = build_tokenizer(tool_tokens(tasks))
     model = build_tiny_model(config, len(tokenizer), seed)
     report = warm_up(model, tokenizer, tasks, config.warmup, seed)
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -115,9 +125,8 @@ def ensure_embedded_model(config: ModelConfig, tasks: Sequence[str], seed: int, 
         try:
             os.replace(staging, target)
         except OSError:
-            # Another process built the same model first; theirs is as good as ours.
+            # Another host sharing this cache (a network file system, where the lock may not hold) built it first.
             shutil.rmtree(staging, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("embedded model ready at %s (warm-up greedy accuracy %.3f)", target, report["greedy_accuracy"])
-    return target

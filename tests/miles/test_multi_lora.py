@@ -1,4 +1,4 @@
-"""miles.multi_lora input checks (the runs themselves: tests/flows/test_multi_lora.py, tests/e2e/test_learning.py)."""
+"""miles.multi_lora input checks (the runs themselves: tests/flows/test_multi_lora.py, tests/e2e/test_learning_concurrent.py)."""
 
 import pytest
 

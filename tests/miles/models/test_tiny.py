@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from miles.models import build_tokenizer
@@ -138,3 +142,27 @@ def test_a_tool_task_grows_the_tokenizer_by_the_tools_markup():
     # Kept when decoding without special tokens: the environment reads the call from the text.
     assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "<calc>12+3</calc><result>15</result>"
     assert build_tokenizer()("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
+
+
+BUILD = """
+import logging, sys
+from pathlib import Path
+from miles.config import ModelConfig, WarmupConfig
+from miles.models import ensure_embedded_model
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+config = ModelConfig(warmup=WarmupConfig(max_steps=20, eval_every=20, target_accuracy=1.0))
+print(ensure_embedded_model(config, ["addition"], seed=0, cache_root=Path(sys.argv[1])))
+"""
+
+
+def test_processes_starting_the_same_model_at_once_build_it_once(tmp_path):
+    starts = [
+        subprocess.Popen([sys.executable, "-c", BUILD, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    outputs = [start.communicate(timeout=300) for start in starts]
+    assert [start.returncode for start in starts] == [0, 0], [err.decode()[-2000:] for _, err in outputs]
+    directories = {out.decode().split()[-1] for out, _ in outputs}
+    assert len(directories) == 1 and (Path(directories.pop()) / "warmup.json").exists()
+    assert sum(err.decode().count("embedded model ready") for _, err in outputs) == 1
+    assert not list(tmp_path.glob(".build-*"))
