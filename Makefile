@@ -97,7 +97,7 @@ TEST_ENV := MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python MILES_REAL_MODEL=$
 test: install install-sglang-cpu real-model
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(TEST_ENV) $(PY) -m pytest -q -n 2 $(addprefix --ignore=,$(ONE_AT_A_TIME))
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal $(addprefix --ignore=,$(ONE_AT_A_TIME))
 	$(TEST_ENV) $(PY) -m pytest -q $(ONE_AT_A_TIME)
 
 ui: install
