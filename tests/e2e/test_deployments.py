@@ -130,7 +130,9 @@ def served(tmp_path_factory, tiny_model_dir, database):
                 "--allow-module",
                 ALLOWED_REWARDS.partition(":")[0],
                 "--allow-root",
-                str(tmp_path.parent),  # every test's and the model's directories
+                str(tmp_path.parent),  # every test's directories
+                "--allow-root",
+                str(tiny_model_dir.parent),  # the session's model cache, which the test workers share
             ],
             env,
             tmp_path / "serve.log",
