@@ -100,6 +100,7 @@ class FlowRunControl:
         self.pauses = 0
         self._request: Request | None = None
         self._handled_until: datetime | None = None  # requests made before this are done
+        self._taken: tuple[str, str | None] | None = None  # the state that says the run has taken its request
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="flow-run-control", daemon=True)
@@ -125,15 +126,28 @@ class FlowRunControl:
                     continue
                 request = request_of(state) if state is not None else None
                 with self._lock:
-                    if request is None or self._request is not None:
+                    if request is None:
                         continue
-                    if self._handled_until is not None and request.asked_at <= self._handled_until:
+                    held = self._request
+                    if held is None:
+                        if self._handled_until is not None and request.asked_at <= self._handled_until:
+                            continue
+                        self._request = request
+                    elif (state.name, state.message) == self._taken:
                         continue
-                    self._request = request
+                    elif request.action == "cancel":
+                        # Asked again while a request is held (an automation that fires twice, a cancel after a
+                        # pause): a cancel wins over a pause, and the state says again that the run has taken it.
+                        self._request = replace(request, asked_at=held.asked_at)
+                    taken = asking_state(self._request)
+                    self._taken = (taken.name, taken.message)
+                    newly_asked = held is None or held.action != self._request.action
+                    action = self._request.action
                 # Running (the tasks of the iteration in flight would wait, paused, or fail, cancelling), and the
                 # message says the run has taken the request.
-                client.set_flow_run_state(self.flow_run_id, asking_state(request), force=True)
-                log.warning("%s asked: %s at the next iteration boundary", self.flow_name, request.action)
+                client.set_flow_run_state(self.flow_run_id, taken, force=True)
+                if newly_asked:
+                    log.warning("%s asked: %s at the next iteration boundary", self.flow_name, action)
 
     def requested(self) -> Literal["pause", "cancel"] | None:
         with self._lock:

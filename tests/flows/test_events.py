@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from prefect.client.orchestration import get_client
+from prefect.states import Running
 
 from flows.cli import main as miles
 from flows.control import PAUSING, resume
@@ -82,6 +83,11 @@ def test_iterations_and_checkpoints_are_events_and_a_nan_reward_pauses_the_run_b
             return state.name == PAUSING and state.message.startswith("pauses at") and state
 
         seen["message"] = eventually(taken, timeout_s=60).message
+        # The automation's action once more (Prefect's actions service repeats an action whose call timed out): the
+        # run, holding the request, says again that it has taken it.
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Running(name=PAUSING, message="again"), force=True)
+        assert eventually(taken, timeout_s=60).message == seen["message"]
         reward.go.set()  # rollout 3 goes on; the run pauses at the boundary after it
 
     def resume_unchanged(flow_run_id, _):
