@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
 .PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python real-model print-real-model gpu-wheels \
-	gpu-check-dry-run run run-gpu test ui server server-postgres
+	gpu-check-dry-run run run-gpu test test-fast ui server server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -93,12 +93,26 @@ ONE_AT_A_TIME := tests/e2e/test_learning_concurrent.py tests/miles/engines/test_
 	tests/miles/engines/test_sglang_engine.py tests/miles/engines/test_torch_engine.py \
 	tests/miles/engines/test_torch_engine_adapters.py tests/e2e/test_bad_input.py \
 	tests/miles/rewards/test_verifiers.py tests/miles/test_run_lock.py
+# Both halves share one model cache (MILES_TEST_MODELS); the learning runs' starting models are built beside the
+# first half (tests/helpers/learning.py), so that the second does not wait for them.
 TEST_ENV := MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python MILES_REAL_MODEL=$(REAL_MODEL_DIR)
 test: install install-sglang-cpu real-model
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal $(addprefix --ignore=,$(ONE_AT_A_TIME))
+	models=$$(mktemp -d); trap 'rm -rf "$$models"' EXIT; export MILES_TEST_MODELS="$$models"; \
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m tests.helpers.learning "$$models" & builder=$$!; \
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal $(addprefix --ignore=,$(ONE_AT_A_TIME)) \
+		|| { kill $$builder; exit 1; }; \
+	wait $$builder; \
 	$(TEST_ENV) $(PY) -m pytest -q $(ONE_AT_A_TIME)
+
+# The inner loop: lint, then the tests of the library, the tasks and the flows two at a time, without the end-to-end
+# runs, the benchmarks, the real SGLang server and the tests marked slow (what `make test` adds).
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow and not sglang_contract" --ignore=tests/e2e \
+		--ignore=tests/benchmarks $(addprefix --ignore=,$(ONE_AT_A_TIME))
 
 ui: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import RECOVERY_RUN, final_weights, small_config_for
+from tests.helpers import RECOVERY_RUN, TEST_MODELS_VARIABLE, final_weights, small_config_for
 
+# Two test workers on two cores run more torch threads than there are cores: OpenMP threads that spin while they
+# wait burn the CPU the other worker's threads need (a step took 3 times as long). Asleep while they wait, they make
+# the same updates (the threads and their work are unchanged). Set before torch loads, for every process started here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
@@ -19,7 +23,10 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory, worker_id) -> Path:
     """One model cache for the session's pytest-xdist workers: each model is built once, by the first worker that
-    needs it, while the others wait for it (miles.models.tiny.ensure_embedded_model)."""
+    needs it, while the others wait for it (miles.models.tiny.ensure_embedded_model). `make test` names one for both
+    of its pytest runs in MILES_TEST_MODELS."""
+    if shared := os.environ.get(TEST_MODELS_VARIABLE):
+        return Path(shared)
     root = tmp_path_factory.getbasetemp()
     path = (root if worker_id == "master" else root.parent) / "model-cache"
     path.mkdir(exist_ok=True)
@@ -148,3 +155,25 @@ def uninterrupted_weights(ray_session, tiny_model_dir, tmp_path_factory):
     config = small_config_for(tiny_model_dir, tmp_path_factory.mktemp("uninterrupted") / "run", **RECOVERY_RUN)
     run_sync(config)
     return final_weights(config.run_dir, RECOVERY_RUN["num_rollout"] - 1)
+
+
+# The modules of minute-long runs, first: the tests two at a time then end on short tests, not on one long run while
+# the other worker idles. Within a module the order stays (its module-scoped servers start once).
+LONG_FIRST = (
+    "tests/e2e/test_learning.py",
+    "tests/e2e/test_deployments.py",
+    "tests/e2e/test_real_model.py",
+    "tests/e2e/test_killed_service.py",
+    "tests/e2e/test_killed_flow_process.py",
+    "tests/benchmarks/test_benchmarks.py",
+    "tests/miles/test_placement.py",
+    "tests/flows/test_events.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        module = item.nodeid.split("::", 1)[0]
+        return LONG_FIRST.index(module) if module in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)

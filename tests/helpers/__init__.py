@@ -43,6 +43,8 @@ def sglang_overrides() -> list[str]:
     ]
 
 
+# A model cache shared by the test runs of one `make test` (its halves run apart, one after the other).
+TEST_MODELS_VARIABLE = "MILES_TEST_MODELS"
 RECOVERY_RUN = dict(num_rollout=5, save_interval=2)  # checkpoints after rollouts 1, 3 and 4
 
 
