@@ -25,7 +25,7 @@ from benchmarks.random_llama import random_llama
 from benchmarks.sglang_servers import add_server_arguments, server_config
 from benchmarks.smoke import parse_args
 from miles.engines.sglang_engine import SGLangEngine
-from miles.tensor_payload import serialize_named_tensors
+from miles.tensor_payload import serialize_bucket
 from miles.weight_group import FLATTENED, WeightGroup, join, leave, send_bucket, tensor_specs
 
 
@@ -83,7 +83,7 @@ def main() -> None:
             engine.update_weights_from_disk(str(directory), version)
 
         def tensor() -> None:
-            engine.update_weights_from_tensor([serialize_named_tensors(bucket) for bucket in buckets], version)
+            engine.update_weights_from_tensor([serialize_bucket(bucket)[0] for bucket in buckets], version)
 
         def distributed() -> None:
             with socket.socket() as probe:

@@ -313,23 +313,30 @@ def by_uuid(*args):
     index = next(i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == args[6])
     return rebuild(*args[:6], index, *args[7:])
 reductions.rebuild_cuda_tensor = by_uuid
-pairs = pickle.loads(base64.b64decode(sys.stdin.read()))
-print(repr({name: float(t.double().sum()) for name, t in pairs}))
+bucket = pickle.loads(base64.b64decode(sys.stdin.read()))
+flat = bucket["flattened_tensor"]
+tensors = {r.name: flat[r.start_idx : r.end_idx].view(r.dtype).reshape(r.shape) for r in bucket["metadata"]}
+print(repr({name: float(t.double().sum()) for name, t in tensors.items()}))
 """
 
 
 def check_tensor_payload() -> bool:
-    from miles.tensor_payload import serialize_named_tensors
+    from miles.tensor_payload import serialize_bucket
 
     torch.manual_seed(0)
-    tensors = {"a": torch.randn(256, 64, device=DEVICE), "b": torch.randn(7, device=DEVICE).bfloat16()}
+    # Mixed dtypes, an odd size between them: each byte range must stay aligned for its dtype.
+    tensors = {
+        "a": torch.randn(256, 64, device=DEVICE),
+        "b": torch.randn(7, device=DEVICE).bfloat16(),
+        "c": torch.randn(3, 5, device=DEVICE),
+    }
     started = time.perf_counter()
-    payload = serialize_named_tensors(tensors)
+    payload, bucket = serialize_bucket(tensors)
     opened = subprocess.run(
         [sys.executable, "-c", _OPEN_PAYLOAD], input=payload, capture_output=True, text=True, timeout=120
     )
     if opened.returncode != 0:
-        print(f"tensor payload: FAILED, the other process could not open it: {opened.stderr[-1500:]}")
+        print(f"tensor payload: FAILED, the other process could not open the bucket: {opened.stderr[-1500:]}")
         return False
     expected = {name: float(t.double().sum()) for name, t in tensors.items()}
     ok = ast.literal_eval(opened.stdout.strip()) == expected

@@ -197,7 +197,8 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights_from_tensor(self, payloads: list[str], version: int) -> None:
-        """Transport tensor: SGLang `/update_weights_from_tensor` payloads, a bucket each (miles.tensor_payload)."""
+        """Transport tensor: SGLang `/update_weights_from_tensor` payloads, a flattened bucket each
+        (miles.tensor_payload)."""
         ...
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:

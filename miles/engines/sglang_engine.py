@@ -327,9 +327,10 @@ class SGLangEngine:
         self._load(version, "/update_weights_from_distributed", bodies)
 
     def update_weights_from_tensor(self, payloads: list[str], version: int) -> None:
-        """Load `/update_weights_from_tensor` payloads (miles.tensor_payload), one request per bucket."""
+        """Load `/update_weights_from_tensor` payloads (miles.tensor_payload), one request per flattened bucket."""
         self._check_base_weights_pushable()
-        self._load(version, "/update_weights_from_tensor", [{"serialized_named_tensors": [p]} for p in payloads])
+        bodies = [{"serialized_named_tensors": [p], "load_format": FLATTENED} for p in payloads]
+        self._load(version, "/update_weights_from_tensor", bodies)
 
     def _check_base_weights_pushable(self) -> None:
         if self._adapter_versions:

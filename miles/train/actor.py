@@ -26,7 +26,7 @@ from miles.config import RunConfig
 from miles.placement import torch_device
 from miles.run_dir import RunDir
 from miles.seeds import train_seed
-from miles.tensor_payload import serialize_named_tensors
+from miles.tensor_payload import serialize_bucket
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, join_trainer_group, shard_model
 from miles.train.update import batch_logprobs, set_lr, train_on_rollout, with_kl_reward_coef
 from miles.weight_check import WeightProbe, take_probe
@@ -85,7 +85,7 @@ class TrainActor:
         # retried call is answered from here without a second step.
         self.trained = dict(self.run_dir.ledger().trained)
         self._weight_group = Membership()  # rank 0's place in the weight-update group it broadcasts over
-        self._payload_weights: list[dict[str, torch.Tensor]] = []  # what the last weight_payloads point to
+        self._payload_weights: list[torch.Tensor] = []  # the flattened buckets the last weight_payloads point to
         self._probe_ids: list[int] | None = None  # the push check's sequence (weight_probe)
 
     holds_reference = True  # the starting policy, for the KL terms (the critic holds none)
@@ -201,20 +201,20 @@ class TrainActor:
         return None
 
     def weight_payloads(self, dtype: str | None = None, senders: int = 1) -> list[str] | None:
-        """The full weights as SGLang's `/update_weights_from_tensor` payloads, a bucket each, cast to the engines'
-        `dtype`, on the first `senders` ranks (None on the others; every rank gathers): rank i's for the engine on its
-        own GPU when engines are colocated with the ranks, rank 0's for every engine otherwise. On the GPU they are
-        CUDA IPC handles to tensors this actor keeps until `release_payload_weights`, so that the servers map them, not
-        copy them."""
+        """The full weights as SGLang's `/update_weights_from_tensor` payloads, a flattened bucket each
+        (miles.tensor_payload), cast to the engines' `dtype`, on the first `senders` ranks (None on the others; every
+        rank gathers): rank i's for the engine on its own GPU when engines are colocated with the ranks, rank 0's for
+        every engine otherwise. On the GPU each is a CUDA IPC handle to a bucket this actor keeps until
+        `release_payload_weights`, so that the servers map it, not copy it."""
         sending = self.rank < senders
         self._payload_weights = []
         payloads = []
-        for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device):
+        for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device, copy=False):
             if not sending:
                 continue
-            cast = {name: t.to(getattr(torch, dtype)) if dtype else t for name, t in bucket.items()}
-            self._payload_weights.append(cast)
-            payloads.append(serialize_named_tensors(cast))
+            payload, flat = serialize_bucket(bucket, getattr(torch, dtype) if dtype else None)
+            self._payload_weights.append(flat)
+            payloads.append(payload)
         return payloads if sending else None
 
     def release_payload_weights(self) -> None:

@@ -7,7 +7,8 @@ Input on stdin, one JSON object:
    "vocab_size": int}                       the served model's, for SGLang's sampling-parameter range checks
 Output: one JSON object on the last line of stdout (SGLang's own logs go to stderr), in the input's order:
   {"launches": [{"argv", "ok", "resolved": {field: value} or null, "error": text or null}, ...],
-   "requests": [{"endpoint", "request_class", "ok", "error"}, ...]}
+   "requests": [{"endpoint", "request_class", "ok", "error"}, ...]}, a tensor update's with "tensors" too: each
+   tensor SGLang reads from it, {name: [dtype, shape, sum]}
 
 A launch goes the way `python -m sglang.launch_server` takes its argv before it starts any process:
 `prepare_server_args(argv)` (its argparse parser and ServerArgs), `ServerArgs.resolve_once()` (the resolution
@@ -174,10 +175,31 @@ def check_request(endpoint: str, body: dict, vocab_size: int) -> dict:
 
         if isinstance(value, GenerateReqInput):
             _check_generate(body, value, vocab_size)
+        tensors = _tensors_read(value) if endpoint == "/update_weights_from_tensor" else None
     except BaseException as exc:  # noqa: BLE001 - SGLang's refusal is the result
         traceback.print_exc()
         return _request(endpoint, name, _error_text(exc))
-    return _request(endpoint, name, None)
+    return {**_request(endpoint, name, None), **({"tensors": tensors} if tensors is not None else {})}
+
+
+def _tensors_read(request) -> dict[str, list]:
+    """The tensors of an /update_weights_from_tensor request as SGLang's scheduler reads them on TP rank 0
+    (`deserialize_own_rank`: its MultiprocessingSerializer, with its SafeUnpickler), then its model runner (a
+    flattened bucket rebuilt as `_update_weights_from_flattened_bucket` does), each as [dtype, shape, sum]."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    payload = MultiprocessingSerializer.deserialize(request.serialized_named_tensors[0])
+    if request.load_format == "flattened_bucket":
+        metadata = [
+            FlattenedTensorMetadata(
+                name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel
+            )
+            for m in payload["metadata"]
+        ]
+        named = FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], metadata=metadata)
+        payload = named.reconstruct_tensors()
+    return {name: [str(t.dtype), list(t.shape), float(t.double().sum())] for name, t in payload}
 
 
 def _check_generate(body: dict, request, vocab_size: int) -> None:

@@ -15,7 +15,9 @@ with SGLang's request fields, response JSON and status codes:
   is skipped with a warning and the load still reports success; the prefix cache is flushed after it unless the
   request says `flush_cache: false`, and a flush it cannot make fails the load), `/get_weights_by_name`.
 - `/update_weights_from_tensor` (refused outside a weight-update session): a base64 pickle of (name, tensor) pairs,
-  read by an unpickler that admits tensors only, as SGLang's SafeUnpickler (CPU tensors arrive as their bytes).
+  or with `load_format` "flattened_bucket" of one uint8 tensor and a record per tensor (name, shape, dtype, byte
+  range) whose bytes SGLang views as each tensor; read by an unpickler that admits tensors, sizes, dtypes and the
+  records' SimpleNamespace only, as SGLang's SafeUnpickler (CPU tensors arrive as their bytes).
 - The distributed refit: `/init_weights_update_group` joins a real gloo group at `rank_offset` (blocking until every
   rank has joined), `/update_weights_from_distributed` (refused outside a weight-update session) receives rank 0's
   broadcast, per tensor or as one flattened bucket, and loads it by name as a disk load does;
@@ -371,8 +373,8 @@ class StandInServer:
             message = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
             return JSONResponse({"success": False, "message": message}, status_code=400)
         try:
-            pairs = TensorsOnly(io.BytesIO(base64.b64decode(body["serialized_named_tensors"][0]))).load()
-            self.load(dict(pairs), body.get("weight_version"))
+            payload = TensorsOnly(io.BytesIO(base64.b64decode(body["serialized_named_tensors"][0]))).load()
+            self.load(_named_tensors(payload, body.get("load_format")), body.get("weight_version"))
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed update
             return JSONResponse({"success": False, "message": f"Failed to update weights: {exc}"}, status_code=400)
         return self.flushed_after_load(body) or JSONResponse({"success": True, "message": "Success"})
@@ -492,7 +494,8 @@ class StandInServer:
 
 
 class TensorsOnly(pickle.Unpickler):
-    """Unpickles (name, tensor) pairs and nothing else: a tensor's bytes go through torch's weights-only loader."""
+    """Unpickles tensors, sizes, dtypes and SimpleNamespace records and nothing else: a tensor's bytes go through
+    torch's weights-only loader."""
 
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch.storage", "_load_from_bytes"):
@@ -500,10 +503,25 @@ class TensorsOnly(pickle.Unpickler):
         if (
             module == "torch._utils"
             and name in ("_rebuild_tensor", "_rebuild_tensor_v2")
-            or (module == "collections" and name == "OrderedDict")
+            or (module, name) in (("collections", "OrderedDict"), ("types", "SimpleNamespace"), ("torch", "Size"))
+            or module == "torch"
+            and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a tensor")
+
+
+def _named_tensors(payload, load_format: str | None) -> dict[str, torch.Tensor]:
+    """The tensors of an `/update_weights_from_tensor` payload, as SGLang reads it by its load_format."""
+    if load_format is None:
+        return dict(payload)
+    if load_format == "flattened_bucket":
+        flat = payload["flattened_tensor"]
+        return {
+            record.name: flat[record.start_idx : record.end_idx].view(record.dtype).reshape(record.shape)
+            for record in payload["metadata"]
+        }
+    raise NotImplementedError(f"Unknown load_format={load_format}")
 
 
 def build_app(server: StandInServer) -> FastAPI:

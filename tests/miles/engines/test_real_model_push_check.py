@@ -17,7 +17,7 @@ import torch
 
 from miles.config import RolloutConfig, SGLangConfig
 from miles.engines.sglang_engine import SGLangEngine
-from miles.tensor_payload import serialize_named_tensors
+from miles.tensor_payload import serialize_bucket
 from miles.weight_check import WeightProbe
 from miles.weight_group import FLATTENED
 from tests.helpers import weights_directory, weights_probe
@@ -89,7 +89,7 @@ def test_healthy_pushes_by_every_transport_pass_and_their_gaps_are_bf16_rounding
                 str(weights_directory(real_model_dir, served, tmp_path / str(version))), version
             )
         elif transport == "tensor":
-            server.update_weights_from_tensor([serialize_named_tensors(b) for b in in_buckets(served, 4)], version)
+            server.update_weights_from_tensor([serialize_bucket(b)[0] for b in in_buckets(served, 4)], version)
         else:
             buckets = in_buckets(served, 4)
             sender = Sender(new_group())

@@ -25,7 +25,7 @@ from miles.config import SGLangConfig
 from miles.engines.base import EngineUnavailable, GenerateRequest, GenerationProgress, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine, token_versions
 from miles.engines.torch_engine import TorchEngine
-from miles.tensor_payload import serialize_named_tensors
+from miles.tensor_payload import serialize_bucket
 from miles.weight_group import FLATTENED
 from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory, weights_probe
 from tests.helpers.samples import ADAPTER_PROMPTS, make_requests
@@ -330,10 +330,11 @@ def test_a_distributed_push_lands_bucket_by_bucket(server, contract_model_dir, t
 
 
 def test_a_tensor_push_lands_bucket_by_bucket(server, contract_model_dir, tokenizer, original_weights):
-    """Pins: /update_weights_from_tensor inside the refit session loads each bucket's payload (a pickle of (name,
-    tensor) pairs that SGLang's SafeUnpickler admits; a CPU tensor goes as its bytes)."""
+    """Pins: /update_weights_from_tensor inside the refit session loads each bucket's payload, of load_format
+    flattened_bucket (one uint8 tensor and a record per tensor, which SGLang's SafeUnpickler admits; a CPU tensor goes
+    as its bytes), its byte ranges aligned for SGLang's views of them."""
     weights = perturbed_weights(contract_model_dir, 5, 0.05)
-    server.update_weights_from_tensor([serialize_named_tensors(b) for b in in_buckets(weights, 3)], 7)
+    server.update_weights_from_tensor([serialize_bucket(b)[0] for b in in_buckets(weights, 3)], 7)
     assert server.weight_version() == 7
     requests = _greedy(tokenizer)
     twin = TorchEngine(str(contract_model_dir), weight_version=7, num_threads=1)
@@ -356,7 +357,7 @@ def test_memory_released_for_a_train_step_comes_back_with_the_push(
         server.generate(requests)
     server.resume_memory(["weights"])
     weights = perturbed_weights(contract_model_dir, 6, 0.05)
-    server.update_weights_from_tensor([serialize_named_tensors(b) for b in in_buckets(weights, 2)], 8)
+    server.update_weights_from_tensor([serialize_bucket(b)[0] for b in in_buckets(weights, 2)], 8)
     server.resume_memory(["kv_cache"])
     assert server.health()
     twin = TorchEngine(str(contract_model_dir), weight_version=8, num_threads=1)

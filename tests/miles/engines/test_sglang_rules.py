@@ -27,11 +27,22 @@ from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import CPU_KV_CACHE_TOKENS, SGLangEngine
 from miles.memory_budget import colocated_engine_share
 from miles.models.tiny import build_tiny_model
-from miles.tensor_payload import serialize_named_tensors
+from miles.tensor_payload import serialize_bucket
 from miles.weight_group import FLATTENED, WeightGroup
 from tests.helpers.sglang_rules import H100_MEMORY_MIB
 
 pytestmark = pytest.mark.sglang_contract
+
+# The buckets of the engine's tensor push here: one tensor, and mixed dtypes with an odd size between them.
+_values = torch.Generator().manual_seed(0)
+TENSOR_BUCKETS = [
+    {"model.norm.weight": torch.ones(4)},
+    {
+        "model.layers.0.input_layernorm.weight": torch.randn(7, generator=_values).bfloat16(),
+        "model.embed_tokens.weight": torch.randn(3, 5, generator=_values),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(5, 3, generator=_values).half(),
+    },
+]
 
 REAL_PYTHON = os.environ.get("MILES_SGLANG_PYTHON")
 ROOT = Path(__file__).resolve().parents[3]
@@ -220,8 +231,7 @@ def _request_bodies(tmp_path: Path) -> list[tuple[str, dict]]:
     engine.generate(batch)
     engine.sequence_logprobs([1, 5, 6, 7, 2])
     engine.update_weights_from_disk(str(tmp_path), 1)
-    payloads = [serialize_named_tensors({"model.norm.weight": torch.ones(4)}) for _ in range(2)]
-    engine.update_weights_from_tensor(payloads, 2)
+    engine.update_weights_from_tensor([serialize_bucket(bucket)[0] for bucket in TENSOR_BUCKETS], 2)
     group = WeightGroup("127.0.0.1", 29500, 3, "miles-weights-1", "nccl", 600.0)
     buckets = [[("model.embed_tokens.weight", "bfloat16", [16, 64])], [("model.norm.weight", "bfloat16", [64])]]
     engine.update_weights_from_distributed(group, 1, buckets, 3, load_format=FLATTENED)
@@ -353,6 +363,17 @@ def test_sglang_still_makes_the_choices_the_engines_flags_work_around(rules):
     chosen = rules["launches"]["float32-sglang-choice"]
     assert chosen["ok"], chosen["error"]
     assert chosen["resolved"]["attention_backend"] == "fa3" and chosen["resolved"]["dtype"] == "float32"
+
+
+def test_sglang_reads_each_tensor_of_a_flattened_bucket_as_it_was_sent(rules):
+    """Pins: SGLang's scheduler and model runner rebuild every tensor of the engine's flattened buckets with its
+    dtype, shape and values, a bucket of mixed dtypes and odd sizes included (each byte range aligned for its view)."""
+    read = [v["tensors"] for v in rules["requests"] if v["endpoint"] == "/update_weights_from_tensor"]
+    sent = [
+        {name: [str(t.dtype), list(t.shape), float(t.double().sum())] for name, t in bucket.items()}
+        for bucket in TENSOR_BUCKETS
+    ]
+    assert read == sent
 
 
 def test_every_request_body_the_engine_sends_is_one_sglang_takes(rules):
