@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
 .PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python real-model print-real-model gpu-wheels \
-	gpu-check-dry-run run run-gpu test test-fast ui server server-postgres
+	gpu-check-dry-run run run-gpu test test-fast test-benchmarks ui server server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -101,10 +101,14 @@ test: install install-sglang-cpu real-model
 	$(VENV)/bin/ruff format --check .
 	models=$$(mktemp -d); trap 'rm -rf "$$models"' EXIT; export MILES_TEST_MODELS="$$models"; \
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m tests.helpers.learning "$$models" & builder=$$!; \
-	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal $(addprefix --ignore=,$(ONE_AT_A_TIME)) \
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow_smoke" $(addprefix --ignore=,$(ONE_AT_A_TIME)) \
 		|| { kill $$builder; exit 1; }; \
 	wait $$builder; \
 	$(TEST_ENV) $(PY) -m pytest -q $(ONE_AT_A_TIME)
+
+# Every benchmark's smoke run (tests/benchmarks), the minute-long ones that `make test` leaves out included.
+test-benchmarks: install install-sglang-cpu
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal tests/benchmarks
 
 # The inner loop: lint, then the tests of the library, the tasks and the flows two at a time, without the end-to-end
 # runs, the benchmarks, the real SGLang server and the tests marked slow (what `make test` adds).

@@ -46,7 +46,9 @@ FIGURES = {
     "trainer_scaling": "shard_memory_ratio",
     "weight_sync": "weight_sync_speedup",
 }
-# The smoke runs of half a minute to a minute on 2 cores: each starts a Prefect API and Ray workers, startup the CLI.
+# The smoke runs of a minute or more on 2 cores beside other tests (each starts a Prefect API and Ray workers, startup
+# the CLI, chaos kills and restarts it): `make test-benchmarks` runs them, `make test` leaves them out (marker
+# slow_smoke) to stay within its time.
 SLOW = {
     "async_vs_sync",
     "chaos",
@@ -109,7 +111,11 @@ def test_help(script, help_answers):
 
 
 @pytest.mark.parametrize(
-    "script", [pytest.param(script, marks=pytest.mark.slow) if script in SLOW else script for script in SCRIPTS]
+    "script",
+    [
+        pytest.param(script, marks=[pytest.mark.slow, pytest.mark.slow_smoke]) if script in SLOW else script
+        for script in SCRIPTS
+    ],
 )
 def test_smoke(script, tmp_path, model_cache):
     if script == "gpu_tag" and not postgres.installed():

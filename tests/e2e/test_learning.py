@@ -1,5 +1,5 @@
-"""The embedded default learns, in the runs whose updates do not depend on timing: the sync flow (its trainer on two
-workers) and the sync run (plain loop) under other algorithms, with dynamic sampling, and with a tool. Seeded, they
+"""The embedded default learns, in the runs whose updates do not depend on timing: the sync run (plain loop) with its
+trainer on two workers, under other algorithms, with dynamic sampling, and with a tool. Seeded, they
 make the same updates on a busy machine as on an idle one, so they run beside other tests. The bar and its noise:
 tests/helpers/learning.py.
 
@@ -21,11 +21,11 @@ CALCULATOR_GREEDY_GAIN = 0.06
 TWO_WORKER_ROLLOUTS = 120
 
 
-def test_sync_flow_learns_addition_on_two_trainer_workers(ray_session, prefect_api, tmp_path, model_cache_env):
-    """The default run through the sync flow, its trainer sharded over two FSDP2 workers (one torch thread each);
-    one worker makes the same update within float rounding (tests/miles/train/test_trainer_group.py), and learns in
-    the plain-loop runs below. Through the flow, a worker that dies is restarted by the task's retry."""
-    from flows.sync_rl import sync_rl
+def test_sync_learns_addition_on_two_trainer_workers(ray_session, tmp_path, model_cache_env):
+    """The default run, its trainer sharded over two FSDP2 workers (one torch thread each); one worker makes the same
+    update within float rounding (tests/miles/train/test_trainer_group.py). The plain loop makes the sync flow's
+    updates (tests/flows/test_plain_loops.py) without its task runs, 480 of them here."""
+    from miles.loop import run_sync
 
     config = load_config(
         None,
@@ -34,8 +34,7 @@ def test_sync_flow_learns_addition_on_two_trainer_workers(ray_session, prefect_a
         num_rollout=TWO_WORKER_ROLLOUTS,
         eval=whole_task_eval("addition"),
     )
-    state = sync_rl(config, return_state=True)
-    assert state.is_completed(), state.message
+    run_sync(config)
     check_learning(config)
 
 
