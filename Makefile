@@ -100,7 +100,8 @@ test: install install-sglang-cpu real-model
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	models=$$(mktemp -d); trap 'rm -rf "$$models"' EXIT; export MILES_TEST_MODELS="$$models"; \
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m tests.helpers.learning "$$models" & builder=$$!; \
+	{ OMP_WAIT_POLICY=PASSIVE $(PY) -m tests.helpers.learning "$$models" >"$$models/build.log" 2>&1 \
+		|| cat "$$models/build.log"; } & builder=$$!; \
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow_smoke" $(addprefix --ignore=,$(ONE_AT_A_TIME)) \
 		|| { kill $$builder; exit 1; }; \
 	wait $$builder; \
