@@ -111,13 +111,13 @@ test: install install-sglang-cpu real-model
 test-benchmarks: install install-sglang-cpu
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal tests/benchmarks
 
-# The inner loop: lint, then the tests of the library, the tasks and the flows two at a time, without the end-to-end
-# runs, the benchmarks, the real SGLang server and the tests marked slow (what `make test` adds).
+# The inner loop: lint, then the tests of the library, the tasks and the scripts two at a time, without the flows,
+# the end-to-end runs, the benchmarks, the real SGLang server and the tests marked slow (what `make test` adds).
 test-fast: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow and not sglang_contract" --ignore=tests/e2e \
-		--ignore=tests/benchmarks $(addprefix --ignore=,$(ONE_AT_A_TIME))
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow and not sglang_contract" tests/miles tests/tasks \
+		tests/scripts $(addprefix --ignore=,$(ONE_AT_A_TIME))
 
 ui: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
