@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
 .PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python real-model print-real-model gpu-wheels \
-	gpu-check-dry-run run run-gpu test test-fast test-benchmarks ui server server-postgres
+	gpu-check-dry-run run run-gpu test test-benchmarks ui server server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -110,14 +110,6 @@ test: install install-sglang-cpu real-model
 # Every benchmark's smoke run (tests/benchmarks), the minute-long ones that `make test` leaves out included.
 test-benchmarks: install install-sglang-cpu
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist worksteal tests/benchmarks
-
-# The inner loop: lint, then the tests of the library, the tasks and the scripts two at a time, without the flows,
-# the end-to-end runs, the benchmarks, the real SGLang server and the tests marked slow (what `make test` adds).
-test-fast: install
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow and not sglang_contract" tests/miles tests/tasks \
-		tests/scripts $(addprefix --ignore=,$(ONE_AT_A_TIME))
 
 ui: install
 	$(PREFECT_ENV) $(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200

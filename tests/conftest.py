@@ -155,25 +155,3 @@ def uninterrupted_weights(ray_session, tiny_model_dir, tmp_path_factory):
     config = small_config_for(tiny_model_dir, tmp_path_factory.mktemp("uninterrupted") / "run", **RECOVERY_RUN)
     run_sync(config)
     return final_weights(config.run_dir, RECOVERY_RUN["num_rollout"] - 1)
-
-
-# The modules of minute-long runs, first: the tests two at a time then end on short tests, not on one long run while
-# the other worker idles. Within a module the order stays (its module-scoped servers start once).
-LONG_FIRST = (
-    "tests/e2e/test_learning.py",
-    "tests/e2e/test_deployments.py",
-    "tests/e2e/test_real_model.py",
-    "tests/e2e/test_killed_service.py",
-    "tests/e2e/test_killed_flow_process.py",
-    "tests/benchmarks/test_benchmarks.py",
-    "tests/miles/test_placement.py",
-    "tests/flows/test_events.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item) -> int:
-        module = item.nodeid.split("::", 1)[0]
-        return LONG_FIRST.index(module) if module in LONG_FIRST else len(LONG_FIRST)
-
-    items.sort(key=rank)
