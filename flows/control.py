@@ -88,6 +88,11 @@ def asking_state(request: Request) -> State:
     )
 
 
+def _says(state: State, taken: State) -> bool:
+    """`state` is the one that says the run has taken its request."""
+    return (state.name, state.message) == (taken.name, taken.message)
+
+
 class FlowRunControl:
     """The Control (miles.schedules) of the flow run it is made in: `steps(STEPS)` gives the flow's steps with it."""
 
@@ -100,7 +105,6 @@ class FlowRunControl:
         self.pauses = 0
         self._request: Request | None = None
         self._handled_until: datetime | None = None  # requests made before this are done
-        self._taken: tuple[str, str | None] | None = None  # the state that says the run has taken its request
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="flow-run-control", daemon=True)
@@ -133,14 +137,13 @@ class FlowRunControl:
                         if self._handled_until is not None and request.asked_at <= self._handled_until:
                             continue
                         self._request = request
-                    elif (state.name, state.message) == self._taken:
+                    elif _says(state, asking_state(held)):
                         continue
                     elif request.action == "cancel":
                         # Asked again while a request is held (an automation that fires twice, a cancel after a
                         # pause): a cancel wins over a pause, and the state says again that the run has taken it.
                         self._request = replace(request, asked_at=held.asked_at)
                     taken = asking_state(self._request)
-                    self._taken = (taken.name, taken.message)
                     newly_asked = held is None or held.action != self._request.action
                     action = self._request.action
                 # Running (the tasks of the iteration in flight would wait, paused, or fail, cancelling), and the

@@ -175,11 +175,13 @@ def check_request(endpoint: str, body: dict, vocab_size: int) -> dict:
 
         if isinstance(value, GenerateReqInput):
             _check_generate(body, value, vocab_size)
-        tensors = _tensors_read(value) if endpoint == "/update_weights_from_tensor" else None
+        verdict = _request(endpoint, name, None)
+        if endpoint == "/update_weights_from_tensor":
+            verdict["tensors"] = _tensors_read(value)
     except BaseException as exc:  # noqa: BLE001 - SGLang's refusal is the result
         traceback.print_exc()
         return _request(endpoint, name, _error_text(exc))
-    return {**_request(endpoint, name, None), **({"tensors": tensors} if tensors is not None else {})}
+    return verdict
 
 
 def _tensors_read(request) -> dict[str, list]:
