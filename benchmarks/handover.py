@@ -290,6 +290,7 @@ def main() -> None:
     # Room for the largest payload (the pickled lists take ~16 bytes a token) twice over, so that nothing spills.
     store_bytes = 256 * MIB + 2 * 16 * sizes[-1] * (RESPONSE_TOKENS + sum(PROMPT_TOKENS) // 2)
     ray.init(
+        address="local",  # a new Ray of its own, never one another process started on this machine
         num_cpus=max(os.cpu_count() or 1, 4),
         object_store_memory=store_bytes,
         _node_ip_address="127.0.0.1",

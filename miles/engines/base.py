@@ -196,9 +196,16 @@ class RolloutEngine(Protocol):
         """Transport distributed: a broadcast over a weight-update group."""
         ...
 
-    def update_weights_from_tensor(self, payloads: list[str], version: int) -> None:
+    def update_weights_from_tensor(self, payloads: list[str], version: int, last: bool = True) -> None:
         """Transport tensor: SGLang `/update_weights_from_tensor` payloads, a flattened bucket each
-        (miles.tensor_payload)."""
+        (miles.tensor_payload). A push may come in parts, in order, its last part with `last`: the first part of a
+        version pauses generation, the last loads the version and continues (a part of another version first ends
+        the push that version left unfinished)."""
+        ...
+
+    def close_weight_update(self) -> None:
+        """End a push of several parts that stopped before its last: generation continues on the weights as they
+        are (partly loaded: the controller sends the next push whole). Nothing when no push is open."""
         ...
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:

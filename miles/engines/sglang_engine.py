@@ -119,6 +119,7 @@ class SGLangEngine:
         self._weight_version = weight_version
         self._adapter_versions: dict[str, int] = {}
         self._weight_group: str | None = None  # the weight-update group the server is in
+        self._open_push: int | None = None  # the version whose push in parts holds SGLang's session open
         self._released: set[str] = set()
         # SGLang releases memory on GPUs only: on a CPU its release ends in torch.cuda.synchronize and the scheduler
         # dies (0.5.23), and there is no memory saver to give anything back.
@@ -206,10 +207,13 @@ class SGLangEngine:
         return dict(self._adapter_versions)
 
     def health(self) -> bool:
+        """The server's one-token probe generation, unless this engine holds generation off (a push in parts open,
+        memory released), where the probe would wait: then the server answering at all."""
         if self._process.poll() is not None:
             return False
+        path = "/model_info" if self._open_push is not None or self._released else "/health_generate"
         try:
-            return self._http.get("/health_generate", timeout=self.config.health_timeout_s).status_code == 200
+            return self._http.get(path, timeout=self.config.health_timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -326,40 +330,59 @@ class SGLangEngine:
         ]
         self._load(version, "/update_weights_from_distributed", bodies)
 
-    def update_weights_from_tensor(self, payloads: list[str], version: int) -> None:
-        """Load `/update_weights_from_tensor` payloads (miles.tensor_payload), one request per flattened bucket."""
+    def update_weights_from_tensor(self, payloads: list[str], version: int, last: bool = True) -> None:
+        """Load `/update_weights_from_tensor` payloads (miles.tensor_payload), one request per flattened bucket; a
+        push in parts keeps SGLang's session open from its first part to its `last`."""
         self._check_base_weights_pushable()
         bodies = [{"serialized_named_tensors": [p], "load_format": FLATTENED} for p in payloads]
-        self._load(version, "/update_weights_from_tensor", bodies)
+        self._load(version, "/update_weights_from_tensor", bodies, last)
 
     def _check_base_weights_pushable(self) -> None:
         if self._adapter_versions:
             raise ValueError("the base weights of an engine serving LoRA adapters are frozen; push adapters instead")
 
-    def _load(self, version: int, path: str, bodies: list[dict]) -> None:
+    def _load(self, version: int, path: str, bodies: list[dict], last: bool = True) -> None:
         """POST each body to `path` as weights `version`, in SGLang's refit order: pause / begin / the loads / end /
-        continue. Generation resumes whatever happens, and a failed session is closed. The requests in flight are
-        paused, not aborted (rollout.pause_generation_mode), and go on with the new weights. The prefix (radix)
-        cache, whose keys and values are the old weights', is flushed with the last load; in mode retract the paused
-        requests wait in the queue, which a paused server's flush ignores, while in mode in_place they keep their
-        cache and SGLang refuses a flush, so none is asked for."""
-        flush = self.pause_generation_mode != "in_place"
-        answers = []
-        self._post("/pause_generation", {"mode": self.pause_generation_mode})
-        try:
-            self._post("/begin_weight_update")
+        continue, the session kept open between the parts of a push in parts (`last` false but on its last part).
+        Whatever fails, the session is closed and generation resumes. The requests in flight are paused, not aborted
+        (rollout.pause_generation_mode), and go on with the new weights. The prefix (radix) cache, whose keys and
+        values are the old weights', is flushed with the last load; in mode retract the paused requests wait in the
+        queue, which a paused server's flush ignores, while in mode in_place they keep their cache and SGLang refuses
+        a flush, so none is asked for."""
+        if self._open_push not in (None, version):
+            self.close_weight_update()  # a push of another version stopped part way
+        if self._open_push is None:
+            self._post("/pause_generation", {"mode": self.pause_generation_mode})
             try:
-                for i, body in enumerate(bodies):
-                    last = i == len(bodies) - 1
-                    answers.append(
-                        self._post(path, {**body, "weight_version": str(version), "flush_cache": flush and last}).json()
-                    )
-            finally:
-                self._post("/end_weight_update")
+                self._post("/begin_weight_update")
+            except BaseException:
+                self._post("/continue_generation")
+                raise
+            self._open_push = version
+        flush = self.pause_generation_mode != "in_place" and last
+        try:
+            answers = [
+                self._post(
+                    path, {**body, "weight_version": str(version), "flush_cache": flush and i == len(bodies) - 1}
+                )
+                for i, body in enumerate(bodies)
+            ]
+            self._check_answers([answer.json() for answer in answers], version)
+        except BaseException:
+            self.close_weight_update()
+            raise
+        if last:
+            self.close_weight_update()
+            self._weight_version = version
+
+    def close_weight_update(self) -> None:
+        if self._open_push is None:
+            return
+        self._open_push = None
+        try:
+            self._post("/end_weight_update")
         finally:
             self._post("/continue_generation")
-        self._check_answers(answers, version)
-        self._weight_version = version
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """The prompt's own log-probs (`input_token_logprobs` from its first token on); the first token has none."""

@@ -83,6 +83,8 @@ class InferenceController:
         self._weight_version = weight_version
         self._push: WeightPush | None = None  # the last full-weight push, for engines restarted after it
         self._held: str | None = None  # the trainer's fingerprint of the weights the engines hold (None: unknown)
+        # A push failed part way: engines may hold some of its weights beside the last version's, until a push lands.
+        self._partly_pushed = False
         # The engines' checksums when the last push landed: the next push's "before", unless an engine restarted or a
         # push failed since (None: taken anew), so that a push hashes the served weights once, not twice.
         self._landed_checksums: dict[int, str | None] | None = None
@@ -263,17 +265,19 @@ class InferenceController:
         # A fresh engine holds the weights it was started from: give it the current weights and adapters.
         if restarted and self._push is not None:
             push, targets = self._push.refill(restarted, len(self.engines))
-            refs = {i: getattr(self.engines[i], push.method.__name__).remote(*push.engine_args(i)) for i in targets}
-            try:
-                push.send()
-            finally:
-                results = dict(zip(refs, ray.get(list(refs.values())), strict=True))
-            push.check(results)
+            for calls in push.rounds(targets):
+                refs = {i: getattr(self.engines[i], push.method.__name__).remote(*args) for i, args in calls.items()}
+                try:
+                    push.send()
+                finally:
+                    results = dict(zip(refs, ray.get(list(refs.values())), strict=True))
+                push.check(results)
             if push.probe is not None:
                 served = ray.get([self.engines[i].sequence_logprobs.remote(push.probe.token_ids) for i in targets])
                 push.probe.check_all(dict(zip(targets, served, strict=True)), push.version)
             self._push, self._weight_version = push, push.version
-            self._held = push.probe.fingerprint if push.probe is not None else None
+            known = push.probe is not None and not self._partly_pushed  # the others may hold part of a failed push
+            self._held = push.probe.fingerprint if known else None
         for i in restarted:
             for name, (tensors_ref, config, version) in self._adapters.items():
                 ray.get(self.engines[i].load_adapter.remote(name, tensors_ref, config, version))
@@ -287,7 +291,11 @@ class InferenceController:
 
     def serves(self, version: int) -> bool:
         """Every engine holds weights `version`, in memory (none released its weights since)."""
-        return version == self._weight_version and not any(WEIGHTS in tags for tags in self._released.values())
+        return (
+            version == self._weight_version
+            and not self._partly_pushed
+            and not any(WEIGHTS in tags for tags in self._released.values())
+        )
 
     def update_weights(self, push: WeightPush) -> None:
         """Push full weights to every engine as `push.version` (a push of the version they serve is skipped). Engines
@@ -303,8 +311,14 @@ class InferenceController:
             self._landed_checksums = None
             with self._memory_lock:
                 self._resume(released, [WEIGHTS])
-            results = self._on_engines(push.method, {i: push.engine_args(i) for i in engines}, alongside=push.send)
-            push.check(dict(zip(engines, results, strict=True)))
+            pushed = list(self.engines)
+            try:
+                for calls in push.rounds(engines):
+                    results = self._on_engines(push.method, calls, alongside=push.send)
+                    push.check(dict(zip(calls, results, strict=True)))
+            except BaseException:
+                self._stopped_part_way(push, [engine for engine in pushed if engine in self.engines])
+                raise
             with self._memory_lock:
                 self._resume(released, [KV_CACHE])
             after = self._checksums() if push.probe is not None else None
@@ -312,10 +326,23 @@ class InferenceController:
                 push.probe.check_moved(self._held, before, after, push.version)
                 served = self._on_every_engine(RolloutEngine.sequence_logprobs, push.probe.token_ids)
                 push.probe.check_all(dict(enumerate(served)), push.version)
-            self._push, self._weight_version = push, push.version
+            self._push, self._weight_version, self._partly_pushed = push, push.version, False
             self._held = push.probe.fingerprint if push.probe is not None else None
             self._landed_checksums = after
         push.landed()
+
+    def _stopped_part_way(self, push: WeightPush, survivors: list[ray.actor.ActorHandle]) -> None:
+        """A push failed with its weights loaded on some engines, or some of its rounds on all: what they hold is
+        unknown until a push lands (the next goes to every engine, and its check cannot ask that the weights moved).
+        The engines it reached that were not restarted end a push of several rounds, so that they generate again."""
+        self._partly_pushed, self._held = True, None
+        if push.close is None:
+            return
+        for engine in survivors:
+            try:
+                ray.get(getattr(engine, push.close.__name__).remote(), timeout=HEALTH_TIMEOUT_S)
+            except (ray.exceptions.RayError, EngineUnavailable) as exc:  # a dead engine restarts at its next call
+                log.warning("an engine could not end the stopped push: %s", first_line(exc))
 
     def _checksums(self, released: dict[int, set[str]] | None = None) -> dict[int, str | None]:
         """Each engine's weights checksum; None for those that released their weights (and hold none to hash)."""
@@ -349,6 +376,7 @@ class InferenceController:
             args = self._launch_args(model_dir, weight_version)
             self._released = {i: set() for i in range(self._rollout.num_engines)}
             self._engine_args, self._push, self._weight_version, self._held = args, None, weight_version, None
+            self._partly_pushed = False
             self._landed_checksums = None
             self.engines = [self._start_engine(i) for i in range(self._rollout.num_engines)]
             for name, (tensors_ref, config, version) in self._adapters.items():

@@ -6,9 +6,9 @@
   (`update_weights_from_disk`; SGLang's `/update_weights_from_disk`); the directory must be on storage the engines
   see, as the run directory is.
 - `tensor`: each trainer rank colocated with an engine hands every bucket to the engine on its own GPU as SGLang's
-  `/update_weights_from_tensor` payload (rank 0 to every engine where they are not colocated): CUDA IPC handles to
-  its own GPU memory, which a server on the same GPU maps without a copy (the colocated placement, where
-  `distributed` cannot work: NCCL refuses two ranks on one device); on a CPU, the bytes.
+  `/update_weights_from_tensor` payload (rank 0 to every engine where they are not colocated), a bucket a round:
+  CUDA IPC handles to its own GPU memory, which a server on the same GPU maps without a copy (the colocated
+  placement, where `distributed` cannot work: NCCL refuses two ranks on one device); on a CPU, the bytes.
 - `distributed`: the trainer's rank 0 broadcasts the weights bucket by bucket over a weight-update group with every
   engine (miles.weight_group; `update_weights_from_distributed`), each bucket as the engine class's
   `distributed_load_format` asks: flattened into one tensor (SGLang's `/update_weights_from_distributed`) or tensor
@@ -26,7 +26,7 @@ distributed, which keeps no copy, the trainer's current weights broadcast to eve
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,20 @@ class WeightPush:
     """Full weights as `version`, on their way to the engines; `probe` checks them there (None: unchecked)."""
 
     method: Callable  # the RolloutEngine method that loads them
+    # The RolloutEngine method that ends a push stopped between two rounds (None: every push is one round).
+    close: Callable | None = None
 
     def __init__(self, version: int, probe: WeightProbe | None):
         self.version = version
         self.probe = probe
 
+    def rounds(self, engines: Iterable[int]) -> Iterator[dict[int, tuple]]:
+        """The calls of `method` that load the weights on `engines`, round by round: engine index -> its call's
+        arguments. One round, unless the transport sends the weights part by part."""
+        yield {i: self.engine_args(i) for i in engines}
+
     def engine_args(self, index: int) -> tuple:
-        """The arguments of engine `index`'s call of `method`."""
+        """The arguments of engine `index`'s call of `method`, for a push of one round."""
         raise NotImplementedError
 
     def send(self) -> None:
@@ -107,19 +114,26 @@ class TrainerWeights:
 
 
 class TensorPush(WeightPush):
-    """Transport tensor: each bucket as SGLang's `/update_weights_from_tensor` payload; on the GPU CUDA IPC handles to
-    the memory of the trainer rank on the engine's GPU, which the server maps (miles.tensor_payload): engine i gets
-    rank i's payloads when the engines are colocated with the ranks (`senders` ranks), rank 0's otherwise."""
+    """Transport tensor: each bucket as SGLang's `/update_weights_from_tensor` payload, a round each; on the GPU CUDA
+    IPC handles to the memory of the trainer rank on the engine's GPU, which the server maps (miles.tensor_payload):
+    engine i gets rank i's payloads when the engines are colocated with the ranks (`senders` ranks), rank 0's
+    otherwise. The trainer gathers the next bucket only when the engines have loaded the last: one bucket is in
+    flight, not a copy of the model."""
 
     method = RolloutEngine.update_weights_from_tensor
+    close = RolloutEngine.close_weight_update
 
     def __init__(self, source: TrainerWeights, version: int):
         super().__init__(version, source.probe())
         self.source = source
-        self.payloads = source.trainer.hand_over_each(TrainActor.weight_payloads, source.dtype, source.senders)
 
-    def engine_args(self, index: int) -> tuple:
-        return self.payloads[index if self.source.senders > 1 else 0], self.version
+    def rounds(self, engines: Iterable[int]) -> Iterator[dict[int, tuple]]:
+        trainer, senders = self.source.trainer, self.source.senders
+        buckets = trainer.call(TrainActor.begin_weight_payloads, self.source.dtype, senders)
+        for bucket in range(buckets):
+            payloads = trainer.hand_over_each(TrainActor.next_weight_payload)
+            last = bucket == buckets - 1
+            yield {i: (payloads[i if senders > 1 else 0], self.version, last) for i in engines}
 
     def refill(self, restarted: list[int], engine_count: int) -> tuple[WeightPush, list[int]]:
         """The handles of a landed push point to memory the trainer has let go: new ones, of its current weights."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,8 @@ class TrainActor:
         # retried call is answered from here without a second step.
         self.trained = dict(self.run_dir.ledger().trained)
         self._weight_group = Membership()  # rank 0's place in the weight-update group it broadcasts over
-        self._payload_weights: list[torch.Tensor] = []  # the flattened buckets the last weight_payloads point to
+        self._payloads: Iterator[list[str] | None] | None = None  # a tensor push's buckets still to come
+        self._payload_weights: torch.Tensor | None = None  # the flattened bucket the last payload points to
         self._probe_ids: list[int] | None = None  # the push check's sequence (weight_probe)
 
     holds_reference = True  # the starting policy, for the KL terms (the critic holds none)
@@ -200,26 +202,35 @@ class TrainActor:
             return f"broadcast over weight-update group {group.group_name} failed: {error}"
         return None
 
-    def weight_payloads(self, dtype: str | None = None, senders: int = 1) -> list[str] | None:
-        """The full weights as SGLang's `/update_weights_from_tensor` payloads, a flattened bucket each
-        (miles.tensor_payload), cast to the engines' `dtype`, on the first `senders` ranks (None on the others; every
-        rank gathers): rank i's for the engine on its own GPU when engines are colocated with the ranks, rank 0's for
-        every engine otherwise. On the GPU each is a CUDA IPC handle to a bucket this actor keeps until
-        `release_payload_weights`, so that the servers map it, not copy it."""
-        sending = self.rank < senders
-        self._payload_weights = []
-        payloads = []
+    def begin_weight_payloads(self, dtype: str | None = None, senders: int = 1) -> int:
+        """Start a tensor push of the full weights cast to the engines' `dtype`: returns the number of buckets, which
+        `next_weight_payload` then hands over one at a time (every rank takes each call: each bucket is a gather)."""
+        self.release_payload_weights()
+        self._payloads = self._weight_payloads(dtype, senders)
+        return len(bucket_specs(self.model, self._bucket_bytes, dtype))
+
+    def next_weight_payload(self) -> list[str] | None:
+        """The next bucket as SGLang's `/update_weights_from_tensor` payload (a list of one flattened bucket, the
+        `payloads` of an engine's call), on the ranks that send (None on the others): rank i's for the engine on its
+        own GPU when engines are colocated with the ranks, rank 0's for every engine otherwise. On the GPU it is a
+        CUDA IPC handle to a bucket this actor keeps until the next call or `release_payload_weights`, so that the
+        servers map it, not copy it: one bucket is in flight, never a second copy of the model."""
+        self._payload_weights = None
+        return next(self._payloads)
+
+    def _weight_payloads(self, dtype: str | None, senders: int) -> Iterator[list[str] | None]:
+        sending = self.rank < senders  # the others take their part in each gather
         for bucket in full_tensor_buckets(self.model, self._bucket_bytes, device=self.device, copy=False):
-            if not sending:
-                continue
-            payload, flat = serialize_bucket(bucket, getattr(torch, dtype) if dtype else None)
-            self._payload_weights.append(flat)
-            payloads.append(payload)
-        return payloads if sending else None
+            payloads = None
+            if sending:
+                payload, self._payload_weights = serialize_bucket(bucket, getattr(torch, dtype) if dtype else None)
+                payloads = [payload]
+            del bucket  # the gathered tensors go while the servers load: only the flattened copy stays
+            yield payloads
 
     def release_payload_weights(self) -> None:
-        """The servers have loaded the last payloads: their tensors can go."""
-        self._payload_weights = []
+        """The servers have loaded the last payload, or the push stopped: its bucket and the gathers can go."""
+        self._payloads, self._payload_weights = None, None
 
     def write_weights(self, directory: str, dtype: str | None = None) -> str:
         """Write the full weights as a Hugging Face model directory an engine loads, in the `dtype` it serves (unset:

@@ -7,32 +7,30 @@ import inspect
 from miles.engines.base import RolloutEngine
 from miles.rollout.weight_transport import DiskPush, DistributedPush, ObjectStorePush, TensorPush
 
-# Each transport's engine call, as the pushes make it.
-LOAD_CALLS = {
-    "object_store": ObjectStorePush.method,
-    "disk": DiskPush.method,
-    "tensor": TensorPush.method,
-    "distributed": DistributedPush.method,
+PUSHES = {"object_store": ObjectStorePush, "disk": DiskPush, "tensor": TensorPush, "distributed": DistributedPush}
+# Each transport's engine calls, as its pushes make them: the load, and the end of a push stopped part way.
+TRANSPORT_CALLS = {
+    transport: [call for call in (push.method, push.close) if call is not None] for transport, push in PUSHES.items()
 }
 ENGINE_CALLS = [
     name
     for name, member in vars(RolloutEngine).items()
     if (callable(member) or isinstance(member, classmethod))
     and not name.startswith("_")
-    and member not in LOAD_CALLS.values()
+    and not any(member in calls for calls in TRANSPORT_CALLS.values())
 ]
 
 
 def contract_violations(engine: type) -> list[str]:
-    """Every way `engine` falls short of the RolloutEngine protocol; [] when it is whole. A load call is owed for
-    each transport the class declares, and only for those."""
+    """Every way `engine` falls short of the RolloutEngine protocol; [] when it is whole. A transport's calls are owed
+    for each transport the class declares, and only for those."""
     problems = []
     transports = getattr(engine, "weight_transports", ())
-    if not transports or not set(transports) <= set(LOAD_CALLS):
-        problems.append(f"weight_transports {transports!r}: one or more of {sorted(LOAD_CALLS)}")
+    if not transports or not set(transports) <= set(PUSHES):
+        problems.append(f"weight_transports {transports!r}: one or more of {sorted(PUSHES)}")
     if not hasattr(engine, "distributed_load_format"):
         problems.append("no distributed_load_format")
-    owed = ENGINE_CALLS + [LOAD_CALLS[t].__name__ for t in transports if t in LOAD_CALLS]
+    owed = ENGINE_CALLS + [call.__name__ for t in transports for call in TRANSPORT_CALLS.get(t, ())]
     for name in owed:
         expected = inspect.signature(getattr(RolloutEngine, name))
         offered = getattr(engine, name, None)

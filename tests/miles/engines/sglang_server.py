@@ -37,7 +37,7 @@ with SGLang's request fields, response JSON and status codes:
 It generates with a TorchEngine, so tokens and log-probs are real; as SGLang, it honours `sampling_seed` only with
 `--enable-deterministic-inference`. `/test_fault` is its own, not SGLang's: it makes every later request answer an
 HTTP error, as a server whose scheduler crashed does, every log-prob come back null (`null_logprobs`), or the next
-disk or distributed load take the server down (`die_on_load`), every batch take `generate_delay_s` longer, or
+disk, distributed or tensor load take the server down (`die_on_load`), every batch take `generate_delay_s` longer, or
 every decode step `decode_delay_s` longer. `/test_decode_steps`, its own too, counts the decode steps run since the
 last `/test_fault`, for a test to act at a known point of a generation.
 """
@@ -372,6 +372,9 @@ class StandInServer:
         if not self.in_weight_update:
             message = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
             return JSONResponse({"success": False, "message": message}, status_code=400)
+        if self.die_on_load:  # a bucket SGLang's scheduler cannot open raises with no handler there: it exits
+            print("ERROR: the scheduler died loading a tensor bucket", flush=True)
+            os._exit(1)
         try:
             payload = TensorsOnly(io.BytesIO(base64.b64decode(body["serialized_named_tensors"][0]))).load()
             self.load(_named_tensors(payload, body.get("load_format")), body.get("weight_version"))

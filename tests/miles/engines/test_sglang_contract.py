@@ -332,10 +332,22 @@ def test_a_distributed_push_lands_bucket_by_bucket(server, contract_model_dir, t
 def test_a_tensor_push_lands_bucket_by_bucket(server, contract_model_dir, tokenizer, original_weights):
     """Pins: /update_weights_from_tensor inside the refit session loads each bucket's payload, of load_format
     flattened_bucket (one uint8 tensor and a record per tensor, which SGLang's SafeUnpickler admits; a CPU tensor goes
-    as its bytes), its byte ranges aligned for SGLang's views of them."""
+    as its bytes), its byte ranges aligned for SGLang's views of them. A push in parts holds one session from its
+    first part to its last; one stopped part way is ended (SGLang refuses a second begin_weight_update), whether
+    closed or met by the next push, and generation goes on."""
+    served = server.weight_version()
+    generate = {"input_ids": _greedy(tokenizer)[0].prompt_ids, "sampling_params": {"max_new_tokens": 2}}
+    stopped = [serialize_bucket(b)[0] for b in in_buckets(perturbed_weights(contract_model_dir, 4, 0.05), 3)]
+    server.update_weights_from_tensor(stopped[:1], 6, last=False)
+    server.close_weight_update()
+    assert server.weight_version() == served
+    _post(server, "/generate", generate, timeout=60)  # a session left open would hold the request paused
+    server.update_weights_from_tensor(stopped[:1], 6, last=False)  # stopped again, and not closed
     weights = perturbed_weights(contract_model_dir, 5, 0.05)
-    server.update_weights_from_tensor([serialize_bucket(b)[0] for b in in_buckets(weights, 3)], 7)
-    assert server.weight_version() == 7
+    buckets = [serialize_bucket(b)[0] for b in in_buckets(weights, 3)]
+    for index, bucket in enumerate(buckets):
+        server.update_weights_from_tensor([bucket], 7, last=index == len(buckets) - 1)
+        assert server.weight_version() == (7 if index == len(buckets) - 1 else served)
     requests = _greedy(tokenizer)
     twin = TorchEngine(str(contract_model_dir), weight_version=7, num_threads=1)
     twin.update_weights(weights, 7)

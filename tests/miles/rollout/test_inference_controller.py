@@ -279,6 +279,62 @@ def test_a_server_that_dies_loading_weights_is_restarted_and_the_retried_push_la
         controller.shutdown()
 
 
+def test_a_tensor_push_stopped_between_buckets_ends_every_session_and_is_pushed_whole_again(
+    ray_session, tiny_model_dir, tokenizer, small_config
+):
+    """The tensor transport pushes a bucket a round (the trainer gathers the next once the engines loaded the last).
+    A server that dies on the first bucket of version 2 while the other has loaded it: the dead one restarts with the
+    trainer's weights, the other ends its push and generates again, and version 2 is not taken as served though the
+    restarted engine holds it whole: the retry pushes every engine whole, and both serve the trainer's weights."""
+    from miles.cluster import RestartableActor
+    from miles.rollout.weight_transport import TensorPush, TrainerWeights
+    from miles.run_dir import RunDir
+    from miles.train.actor import TrainActor
+    from miles.train.group import start_trainer_group
+
+    config = small_config(
+        *sglang_overrides(),
+        "rollout.num_engines=2",
+        "rollout.weight_transport=tensor",
+        "train.weight_bucket_mb=0.5",  # the tiny model's 1.6 MiB go in four buckets
+    )
+    RunDir(config.run_dir).create()
+    trainer = RestartableActor("trainer", lambda: start_trainer_group(config, tiny_model_dir, None))
+    controller = InferenceController(str(tiny_model_dir), 0, config.rollout)
+    held = [0]  # the trainer's version
+
+    def train_to(version: int) -> dict:
+        weights = perturbed_weights(tiny_model_dir, 14 + version, 0.02)
+        ray.get(trainer.handles[0].__ray_call__.remote(lambda actor: actor.model.load_state_dict(weights)))
+        held[0] = version
+        return weights
+
+    try:
+        source = TrainerWeights(trainer, None, version=lambda: held[0], probe=lambda: None)
+        assert trainer.call(TrainActor.begin_weight_payloads) > 1
+        train_to(1)
+        controller.update_weights(TensorPush(source, 1))
+        weights = train_to(2)
+        url = ray.get(controller.engines[1].__ray_call__.remote(lambda engine: engine.url))
+        httpx.post(f"{url}/test_fault", json={"die_on_load": True}, trust_env=False).raise_for_status()
+
+        with pytest.raises(EngineRestarted, match=r"update_weights_from_tensor failed .*restarted engines \[1\]"):
+            controller.update_weights(TensorPush(source, 2))
+        assert not controller.serves(2)
+        requests = seeded(make_requests(tokenizer, ["1+2=", "45+67=", "8+9=", "10+11="], max_new_tokens=6), 5)
+        _concurrently(controller, {"after the stopped push": requests})  # engine 0 ended the push it was in
+        controller.update_weights(TensorPush(source, 2))
+
+        assert controller.serves(2)
+        assert ray.get([engine.weight_version.remote() for engine in controller.engines]) == [2, 2]
+        reference = TorchEngine(str(tiny_model_dir), num_threads=1)
+        reference.update_weights(weights, 2)
+        _assert_same_samples(controller.generate(requests), reference.generate(requests))
+    finally:
+        controller.shutdown()
+        trainer.kill()
+
+
 def test_a_push_whose_weights_the_server_skips_is_refused_as_lost_and_a_whole_one_lands(
     ray_session, tiny_model_dir, tmp_path
 ):
