@@ -47,6 +47,24 @@ from tests.helpers import SGLANG_STAND_IN
 PAIRS = 2
 
 
+class CountedPush(TensorPush):
+    """A tensor push that keeps each round's refs to rank 0's payloads and the engines they go to, for the bytes
+    rank 0 sent to be counted once the push is timed."""
+
+    def __init__(self, source: TrainerWeights, version: int):
+        super().__init__(source, version)
+        self.from_rank0: list[tuple[ray.ObjectRef, int]] = []
+
+    def rounds(self, engines):
+        for calls in super().rounds(engines):
+            rank0 = calls[0][0]
+            self.from_rank0.append((rank0, sum(args[0] == rank0 for args in calls.values())))
+            yield calls
+
+    def rank0_bytes(self) -> int:
+        return sum(engines * sum(len(p) for p in ray.get(ref)) for ref, engines in self.from_rank0)
+
+
 def _measure(model_dir: Path, run_dir: Path, rounds: int) -> tuple[dict[str, list[float]], dict[str, int]]:
     config = load_config(
         None,
@@ -86,12 +104,11 @@ def _measure(model_dir: Path, run_dir: Path, rounds: int) -> tuple[dict[str, lis
         for round_index in range(rounds + 1):  # the first round warms up and is left out
             for way, source in ways.items():
                 version += 1
-                push = TensorPush(source, version)
+                push = CountedPush(source, version)
                 started = time.perf_counter()
                 controller.update_weights(push)
                 seconds = time.perf_counter() - started
-                consumers = 1 if source.senders > 1 else PAIRS
-                rank0_bytes[way] = consumers * sum(len(p) for p in ray.get(push.payloads[0]))
+                rank0_bytes[way] = push.rank0_bytes()
                 if round_index:
                     times[way].append(seconds)
         return times, rank0_bytes

@@ -219,7 +219,7 @@ def _request_bodies(tmp_path: Path) -> list[tuple[str, dict]]:
     engine = object.__new__(SGLangEngine)
     engine.model_dir, engine.url, engine.timeout_s = tmp_path, "http://127.0.0.1:9", 30.0
     engine.config, engine.pause_generation_mode = SGLangConfig(), "retract"
-    engine._weight_version, engine._adapter_versions, engine._weight_group = 0, {}, None
+    engine._weight_version, engine._adapter_versions, engine._weight_group, engine._open_push = 0, {}, None, None
     engine._released, engine._releases_on_server = set(), True  # a colocated server on a GPU
     engine._work_dir, engine._log_path, engine._process = tmp_path, tmp_path / "server.log", _Running()
     engine._http = httpx.Client(base_url=engine.url, transport=httpx.MockTransport(server))
@@ -231,7 +231,9 @@ def _request_bodies(tmp_path: Path) -> list[tuple[str, dict]]:
     engine.generate(batch)
     engine.sequence_logprobs([1, 5, 6, 7, 2])
     engine.update_weights_from_disk(str(tmp_path), 1)
-    engine.update_weights_from_tensor([serialize_bucket(bucket)[0] for bucket in TENSOR_BUCKETS], 2)
+    payloads = [serialize_bucket(bucket)[0] for bucket in TENSOR_BUCKETS]
+    engine.update_weights_from_tensor(payloads[:1], 2, last=False)  # a push in parts, as the controller sends it
+    engine.update_weights_from_tensor(payloads[1:], 2)
     group = WeightGroup("127.0.0.1", 29500, 3, "miles-weights-1", "nccl", 600.0)
     buckets = [[("model.embed_tokens.weight", "bfloat16", [16, 64])], [("model.norm.weight", "bfloat16", [64])]]
     engine.update_weights_from_distributed(group, 1, buckets, 3, load_format=FLATTENED)
