@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -49,12 +50,28 @@ WORKLOAD = [
 ]
 
 
+def _time_decode_steps(engine) -> None:
+    """Run inside a TorchEngine's actor: its decode steps add up their seconds in `decode_seconds`."""
+    step = engine._step
+    engine.decode_seconds = 0.0
+
+    def timed(admitted):
+        started = time.perf_counter()
+        try:
+            return step(admitted)
+        finally:
+            engine.decode_seconds += time.perf_counter() - started
+
+    engine._step = timed
+
+
 def _busy_seconds(run: RLRun) -> float:
-    return sum(ray.get([engine.busy_seconds.remote() for engine in run.controller.engines]))
+    return sum(ray.get([e.__ray_call__.remote(lambda engine: engine.decode_seconds) for e in run.controller.engines]))
 
 
 def _measure(schedule: Callable[[RLRun, Steps], Iterator[int]], config) -> dict[str, float]:
     with RLRun(config) as run, plain_steps() as steps:
+        ray.get([engine.__ray_call__.remote(_time_decode_steps) for engine in run.controller.engines])
         ends, busy, lengths = [], [], []
         for rollout_id in schedule(run, steps):
             record = run.finish_iteration(rollout_id)

@@ -6,7 +6,7 @@ them once on the same rollout table. The base is a randomly initialised Llama (-
 once in float32 (the side of one worker, as the multi-LoRA trainer held every base before) and once in bfloat16 (the
 side of two FSDP2 workers: the base in its dtype, each worker a half of it).
 
-Memory per worker is `LoRATrainActor.held_bytes` after the training: the worker's part of the frozen base, the
+Memory per worker is what it holds in tensors (tests.helpers.lora_memory) after the training: the worker's part of the frozen base, the
 adapters' parameters and gradients, their optimizer state; the largest over the ranks. These stay as they are after
 the first step. Activations and FSDP2's gathered copy of a layer are transient and not in it; the peak RSS of each
 worker process (which also holds torch, Ray's worker and a whole base while loading it) is printed beside.
@@ -36,6 +36,7 @@ from miles.models.tiny import build_tokenizer
 from miles.run_dir import RunDir
 from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
+from tests.helpers.lora_memory import each_worker_held_bytes
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -69,7 +70,7 @@ def _measure(model_dir: Path, workers: int, run_dir: Path, table_ref: ray.Object
             adapter = AdapterConfig(name=name, rank=args.rank, target_modules=TARGETS)
             group.call(LoRATrainActor.add_adapter, adapter, view, None)
             group.call(LoRATrainActor.train, name, 0, table_ref)
-        held = group.results(group.submit(LoRATrainActor.held_bytes))
+        held = each_worker_held_bytes(group)
         rss = ray.get([handle.__ray_call__.remote(_peak_rss_mib) for handle in group.handles])
     finally:
         group.kill()

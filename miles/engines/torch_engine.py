@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -125,7 +124,6 @@ class TorchEngine:
         self._pauses = 0
         self._stepping = False
         self._closed = False
-        self._busy_s = 0.0  # time spent in decode steps
         self._progress = GenerationProgress()  # written by the decode loop only
         self._loop = threading.Thread(target=self._decode_loop, name="torch-engine-decode", daemon=True)
         self._loop.start()
@@ -137,11 +135,6 @@ class TorchEngine:
     def adapter_versions(self) -> dict[str, int]:
         return dict(self._adapter_versions)
 
-    def busy_seconds(self) -> float:
-        """Seconds spent in decode steps since the engine started (its busy fraction, over a wall time)."""
-        return self._busy_s
-
-    @torch.no_grad()  # not inference_mode: peft flips requires_grad on adapter tensors when one is deleted
     def load_adapter(self, name: str, named_tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
         """Load (or replace) LoRA adapter `name` from its PEFT state dict and adapter_config.json contents."""
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -399,7 +392,6 @@ class TorchEngine:
     def _step(self, admitted: list[_Sequence]) -> None:
         """Prefill the admitted requests into the batch, then draw one token for every row, retire the rows that
         finished, and run the rest one position on."""
-        started = time.perf_counter()
         if admitted:
             joining = self._prefill(admitted)
             self._batch = joining if self._batch is None else self._batch.joined(joining)
@@ -420,7 +412,6 @@ class TorchEngine:
             sampled = sampled[~finished]
         if self._batch is not None:
             self._forward(batch, sampled)
-        self._busy_s += time.perf_counter() - started
 
     def _adapter_kwargs(self, sequences: list[_Sequence]) -> dict:
         if not _serves_adapters(self.model):

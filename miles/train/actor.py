@@ -111,9 +111,6 @@ class TrainActor:
         """Train the rollouts after this call with `config` (the run's config with changes added to its schedule)."""
         self.config = config
 
-    def trained_rollouts(self) -> list[int]:
-        return sorted(self.trained)
-
     def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
         """Run this rollout's optimizer steps once; a second call for the same rollout_id only returns its metrics (the
         driver records them in the ledger)."""

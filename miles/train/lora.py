@@ -25,7 +25,6 @@ import pyarrow as pa
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from miles.checkpoint import (
@@ -180,26 +179,6 @@ class LoRATrainActor:
             k: v.detach().to("cpu", copy=True)
             for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()
         }
-
-    def held_bytes(self) -> dict[str, int]:
-        """What this worker holds in tensors: its part of the frozen base (its shards when sharded), the adapters'
-        parameters and gradients, and their optimizer state."""
-        base = adapters = 0
-        for name, param in self.model.named_parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            size = local.numel() * local.element_size()
-            if "lora_" in name:
-                adapters += size + (size if param.grad is not None else 0)
-            else:
-                base += size
-        optimizer = sum(
-            value.numel() * value.element_size()
-            for adapter in self.adapters.values()
-            for state in adapter.optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        )
-        return {"base": base, "adapters": adapters, "optimizer": optimizer}
 
     def adapter_config(self, name: str) -> dict[str, Any]:
         return config_dict(self.model.peft_config[name])

@@ -1,5 +1,6 @@
 """train_step under Prefect retries: a retry of a trained rollout returns its metrics and does not step."""
 
+import ray
 import torch
 from prefect import flow
 
@@ -31,7 +32,7 @@ def test_retried_train_step_does_not_step_again(ray_session, prefect_api, small_
         initial_weights = run.trainer.call(TrainActor.weights)
         state = one_iteration(run, return_state=True)
         final_weights = run.trainer.call(TrainActor.weights)
-        trained = run.trainer.call(TrainActor.trained_rollouts)
+        trained = ray.get(run.trainer.handles[0].__ray_call__.remote(lambda actor: sorted(actor.trained)))
 
     assert state.is_completed()
     assert trained == [0]

@@ -13,6 +13,7 @@ from miles.run_dir import RunDir
 from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
 from tests.helpers import max_abs_diff, relative_distance
+from tests.helpers.lora_memory import each_worker_held_bytes
 from tests.helpers.samples import grpo_advantages, make_requests, seeded, training_table
 
 
@@ -57,8 +58,8 @@ def test_two_sharded_workers_train_the_adapter_one_unsharded_worker_trains(
         start = single.call(LoRATrainActor.adapter_weights, "tenant")
         assert max_abs_diff(start, sharded.call(LoRATrainActor.adapter_weights, "tenant")) == 0.0  # seeded alike
         (one, m_one), (two, m_two) = _train(single, rollout), _train(sharded, rollout)
-        per_worker = sharded.results(sharded.submit(LoRATrainActor.held_bytes))
-        whole = single.call(LoRATrainActor.held_bytes)
+        per_worker = each_worker_held_bytes(sharded)
+        whole = each_worker_held_bytes(single)[0]
     finally:
         single.kill()
         sharded.kill()
@@ -82,7 +83,7 @@ def test_a_bf16_base_sharded_over_two_workers_keeps_float32_adapters_and_resumes
     try:
         saved, _ = _train(group, rollout)
         checkpoint = group.call(LoRATrainActor.save_checkpoint, "tenant", 0, {})
-        held = group.results(group.submit(LoRATrainActor.held_bytes))
+        held = each_worker_held_bytes(group)
         continued, _ = _train(group, rollout, rollout_ids=(1,))
     finally:
         group.kill()
@@ -90,7 +91,7 @@ def test_a_bf16_base_sharded_over_two_workers_keeps_float32_adapters_and_resumes
     resumed = _group(small_config, bf16_model_dir, tmp_path / "one", "train.sharding=none", checkpoint=checkpoint)
     try:
         _train(fp32, rollout)
-        fp32_bytes = fp32.call(LoRATrainActor.held_bytes)
+        fp32_bytes = each_worker_held_bytes(fp32)[0]
         after_resume, _ = _train(resumed, rollout, rollout_ids=(1,))
     finally:
         fp32.kill()
