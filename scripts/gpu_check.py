@@ -37,12 +37,12 @@ from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models.tiny import build_tiny_model, build_tokenizer
 from miles.rewards import resolve_reward
+from miles.rollout.schema import SampleRecord, records_table
 from miles.train.actor import TrainActor
 from miles.train.algorithms.advantages import grpo
 from miles.train.batch import batch_from_table
 from miles.train.lora import LoRATrainActor
 from miles.train.update import batch_logprobs
-from tests.helpers.samples import completions_table
 
 DEVICE = "cuda"
 # Qwen2.5-0.5B's shape (494M parameters with its 151,936-token vocabulary and tied embeddings).
@@ -84,7 +84,19 @@ def _table(requests, results, rewards, group: int) -> pa.Table:
     n = len(results)
     lengths = torch.tensor([len(r.output_ids) for r in results], dtype=torch.float64)
     advantages = grpo(torch.tensor(rewards, dtype=torch.float64), torch.arange(n) // group, lengths).tolist()
-    return completions_table(requests, results, rewards, [i // group for i in range(n)], advantages)
+    records = [
+        SampleRecord.completion(None, q.prompt_ids, r, reward, r.finish_reason == "stop")
+        for q, r, reward in zip(requests, results, rewards, strict=True)
+    ]
+    return records_table(
+        records,
+        rollout_id=0,
+        first_index=0,
+        group_index=[i // group for i in range(n)],
+        adapter=[q.adapter for q in requests],
+        label=[""] * n,
+        advantage=advantages,
+    )
 
 
 def _logprob_gap(model, table: pa.Table, config) -> float:

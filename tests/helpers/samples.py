@@ -25,7 +25,7 @@ def seeded(requests, seed):
 
 def completions_table(requests, results, rewards, group_index, advantages) -> pa.Table:
     """Rollout 0 of one completion per request, stored as single_turn stores them (for the engine and trainer tests,
-    the benchmarks and the GPU check, which drive the engines without a RolloutExecutor)."""
+    and the benchmarks, which drive the engines without a RolloutExecutor)."""
     records = [
         SampleRecord.completion(None, q.prompt_ids, r, reward, r.finish_reason == "stop")
         for q, r, reward in zip(requests, results, rewards, strict=True)
