@@ -36,10 +36,10 @@ from miles.rollout.generation import resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
 from miles.rollout.weight_transport import (
-    DiskPush,
+    DiskTransport,
     DistributedTransport,
-    ObjectStorePush,
-    TensorPush,
+    ObjectStoreTransport,
+    TensorTransport,
     TrainerWeights,
 )
 from miles.run_dir import Ledger, RunDir
@@ -189,20 +189,14 @@ class RLRun:
                 self.critic = RestartableActor("critic", self._restored_critic)
                 started.callback(self.critic.kill)
             self.served_dtype = self.controller.engine_class.served_dtype(str(self.initial_model), config.rollout)
-            self._trainer_weights = TrainerWeights(
-                self.trainer,
-                self.served_dtype,
-                version=lambda: self.iterations.trainer_version,
-                probe=self._weight_probe,
-                senders=config.train.num_workers if self.colocated is not None else 1,
-            )
-            self._weight_group = DistributedTransport(
-                self._trainer_weights,
-                lambda: self.controller.engines,
-                self.controller.ranks_per_engine,
-                self.controller.engine_class.distributed_load_format,
-                backend="nccl" if torch_device(config.rollout.device).type == "cuda" else "gloo",
-                timeout_s=config.rollout.engine_timeout_s,
+            self._weight_transport = self._start_transport(
+                TrainerWeights(
+                    self.trainer,
+                    self.served_dtype,
+                    version=lambda: self.iterations.trainer_version,
+                    probe=self._weight_probe,
+                    senders=config.train.num_workers if self.colocated is not None else 1,
+                )
             )
             self._record_placement()
             if self.iterations.trainer_version == plan.saved_weight_version:  # both hold the checkpoint's weights
@@ -300,24 +294,25 @@ class RLRun:
         if self.iterations.trainer_version != plan.saved_weight_version:
             self._push_weights(self.iterations.trainer_version)
 
+    def _start_transport(self, source: TrainerWeights):
+        """The rollout.weight_transport of the trainer's weights to this run's engines."""
+        if self.transport == "distributed":
+            return DistributedTransport(
+                source,
+                lambda: self.controller.engines,
+                self.controller.ranks_per_engine,
+                self.controller.engine_class.distributed_load_format,
+                backend="nccl" if torch_device(self.config.rollout.device).type == "cuda" else "gloo",
+                timeout_s=self.config.rollout.engine_timeout_s,
+            )
+        if self.transport == "disk":
+            return DiskTransport(source, self.run_dir.engine_weights)
+        return {"object_store": ObjectStoreTransport, "tensor": TensorTransport}[self.transport](source)
+
     def _push_weights(self, version: int) -> None:
         """Full weights as `version` to every engine, by rollout.weight_transport; a version they hold is skipped."""
-        if self.controller.serves(version):
-            return
-        if self.transport == "object_store":
-            probe = self._weight_probe()
-            self.trainer.hand_over(
-                TrainActor.weights,
-                to=lambda weights: self.controller.update_weights(ObjectStorePush(weights, version, probe)),
-            )
-        elif self.transport == "disk":
-            directory = self.run_dir.engine_weights / str(version)
-            self.trainer.call(TrainActor.write_weights, str(directory), self._trainer_weights.dtype)
-            self.controller.update_weights(DiskPush(directory, version, self._weight_probe()))
-        elif self.transport == "tensor":
-            self.controller.update_weights(TensorPush(self._trainer_weights, version))
-        else:
-            self.controller.update_weights(self._weight_group.push(version))
+        if not self.controller.serves(version):
+            self.controller.update_weights(self._weight_transport.push(version))
 
     def _weight_probe(self) -> WeightProbe:
         return self.trainer.call(TrainActor.weight_probe, self.served_dtype)

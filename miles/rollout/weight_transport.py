@@ -14,7 +14,8 @@
   `distributed_load_format` asks: flattened into one tensor (SGLang's `/update_weights_from_distributed`) or tensor
   by tensor straight into the parameters (TorchEngine); nothing is written, nothing is copied whole.
 
-Which transports an engine takes is its class's `weight_transports` (miles.engines.weight_transport picks one).
+Which transports an engine takes is its class's `weight_transports` (miles.engines.weight_transport picks one). Each
+transport is a class whose `push(version)` makes the push of the trainer's weights as `version`.
 
 A push is a `WeightPush`: the engine method that loads it and its arguments per engine, what the sender does while
 the engines receive, and its `probe`, the trainer's log-probs of a fixed sequence under the pushed weights, against
@@ -111,6 +112,39 @@ class TrainerWeights:
     version: Callable[[], int]
     probe: Callable[[], WeightProbe | None]
     senders: int = 1  # ranks that send tensor payloads: each colocated rank to its own engine, else rank 0 to all
+
+
+class ObjectStoreTransport:
+    """Rank 0's gathered weights through Ray's object store, for each push."""
+
+    def __init__(self, source: TrainerWeights):
+        self.source = source
+
+    def push(self, version: int) -> ObjectStorePush:
+        probe = self.source.probe()
+        weights = self.source.trainer.hand_over_each(TrainActor.weights)[0]  # rank 0's
+        return ObjectStorePush(weights, version, probe)
+
+
+class DiskTransport:
+    """Each version written as a model directory `<directory>/<version>` before its push."""
+
+    def __init__(self, source: TrainerWeights, directory: Path):
+        self.source = source
+        self.directory = directory
+
+    def push(self, version: int) -> DiskPush:
+        directory = self.directory / str(version)
+        self.source.trainer.call(TrainActor.write_weights, str(directory), self.source.dtype)
+        return DiskPush(directory, version, self.source.probe())
+
+
+class TensorTransport:
+    def __init__(self, source: TrainerWeights):
+        self.source = source
+
+    def push(self, version: int) -> TensorPush:
+        return TensorPush(self.source, version)
 
 
 class TensorPush(WeightPush):
