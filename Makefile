@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
 .PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python real-model print-real-model gpu-wheels \
-	gpu-check-dry-run run run-gpu test test-benchmarks ui server server-postgres
+	gpu-check-dry-run run run-gpu test test-benchmarks docs docs-serve ui server server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -79,7 +79,7 @@ gpu-wheels:
 	du -sh .whl
 
 # scripts/gpu_check.py --dry-run with the wheels installed as on the GPU machine, in DRY_RUN_PYTHON: a Python with
-# that machine's torch and transformers (README, "The GPU check"), built by hand once, not by this target.
+# that machine's torch and transformers (docs/guides/gpus.md, "The GPU check"), built by hand once, not by this target.
 DRY_RUN_PYTHON ?= $(HOME)/.cache/miles-flow/gpu-dry-run-312/bin/python
 gpu-check-dry-run: gpu-wheels
 	PY=$(DRY_RUN_PYTHON) bash scripts/gpu_check.sh --dry-run
@@ -99,6 +99,7 @@ TEST_ENV := MILES_SGLANG_PYTHON=$(SGLANG_CPU_VENV)/bin/python MILES_REAL_MODEL=$
 test: install install-sglang-cpu real-model
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	models=$$(mktemp -d); trap 'rm -rf "$$models"' EXIT; export MILES_TEST_MODELS="$$models"; \
 	{ OMP_WAIT_POLICY=PASSIVE $(PY) -m tests.helpers.learning "$$models" >"$$models/build.log" 2>&1 \
 		|| cat "$$models/build.log"; } & builder=$$!; \
@@ -106,6 +107,13 @@ test: install install-sglang-cpu real-model
 		|| { kill $$builder; exit 1; }; \
 	wait $$builder; \
 	$(TEST_ENV) $(PY) -m pytest -q $(ONE_AT_A_TIME)
+
+# The documentation site (docs/, mkdocs.yml) into .site/; the configuration reference is made from miles/config.py.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
 
 # Every benchmark's smoke run (tests/benchmarks), the minute-long ones that `make test` leaves out included.
 test-benchmarks: install install-sglang-cpu

@@ -1,7 +1,7 @@
 """What one task run costs Prefect, with no work in it: the flow process's CPU and the embedded API server's CPU per
 task run, and the wall time, over flows of `--tasks` no-op task runs with the RL tasks' options (retries, no cache,
 the history hook) and the RL flows' end (the history wait). Run it with a Prefect setting changed
-(`PREFECT_SERVER_SERVICES_...=...`) to see what that setting costs; benchmarks/README.md has the breakdown.
+(`PREFECT_SERVER_SERVICES_...=...`) to see what that setting costs; docs/benchmarks.md has the breakdown.
 
 Last line: `task_run_server_ms <API server CPU ms per task run>`.
 """

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-# What the embedded API does per task run, set down to what a user reads (benchmarks/README.md has the profile). By
+# What the embedded API does per task run, set down to what a user reads (docs/benchmarks.md has the profile). By
 # default the task-run recorder writes each task-run event in a transaction of its own: three per task run, ~25 ms of
 # the server's CPU on SQLite. Batched, it writes the same rows in ~4 ms per task run, and the UI shows a state within
 # a second. The recorder reads its flush interval as whole seconds (`int()`): below 1 it sleeps 0 s and spins a core.

@@ -256,7 +256,7 @@ class LoggingConfig(_Section):
 
 class AlertsConfig(_Section):
     """What a run's iteration records are watched for (miles.alerts); a flow emits an event for each alert, which the
-    shipped automations act on (README, "Events and automations")."""
+    shipped automations act on (docs/guides/control.md, "Events and automations")."""
 
     failed_reward_fraction: float = Field(
         0.5, gt=0, le=1, description="an iteration is unhealthy when the reward failed on this share of its samples"
@@ -383,7 +383,7 @@ class RolloutConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    """The RL algorithm, by name (README, Algorithms: each option, its formula and its paper)."""
+    """The RL algorithm, by name (docs/algorithms.md: each option, its formula and its paper)."""
 
     advantage_estimator: str = Field(
         "grpo",
@@ -704,7 +704,7 @@ def embedded_adapters() -> list[AdapterConfig]:
 
 # The settings a field left unset takes (RunConfig._preset). A built-in task: today's embedded-model values (4-token
 # answers; a 0.5M-parameter model learns at 5e-4). The user's own data, on a pretrained model: the peers' common
-# values (README, "Presets", says where each comes from).
+# values (docs/guides/real-models.md, "Presets", says where each comes from).
 EMBEDDED_TASK_PRESET: dict[tuple[str, str], Any] = {
     ("rollout", "max_new_tokens"): 4,
     ("train", "lr"): 5e-4,
@@ -722,10 +722,10 @@ OWN_DATA_PRESET: dict[tuple[str, str], Any] = {
 }
 
 
-# The fields a run may change in its middle (README, "Pause, steer, resume"), by their name in the pause form: they
-# change how the rollouts after the change are sampled and trained, how long the run goes and what is due, never what a
-# stored rollout means. A rollout's sampling temperature is its own: the trainer reads a rollout's log-probs at the
-# temperature in effect at that rollout.
+# The fields a run may change in its middle (docs/guides/control.md, "Change settings mid-run, on the record"), by
+# their name in the pause form: they change how the rollouts after the change are sampled and trained, how long the
+# run goes and what is due, never what a stored rollout means. A rollout's sampling temperature is its own: the
+# trainer reads a rollout's log-probs at the temperature in effect at that rollout.
 MID_RUN_FIELDS = {
     "lr": "train.lr",
     "temperature": "rollout.temperature",
@@ -817,7 +817,7 @@ class RunConfig(_Section):
     accept_config_change: bool = Field(
         False,
         description="resume a run whose config changed in a field that changes what a rollout or a step means "
-        '(README, "Resuming a run"); unset: such a start is refused, with the difference',
+        '(docs/getting-started.md, "Resuming a run"); unset: such a start is refused, with the difference',
     )
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -882,7 +882,7 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _preset(self) -> RunConfig:
         """The fields left unset take the preset of the run's data: a built-in task's (the embedded model's short
-        answers), or the field's defaults for a model on the user's own data (README, "Presets")."""
+        answers), or the field's defaults for a model on the user's own data (docs/guides/real-models.md, "Presets")."""
         preset = EMBEDDED_TASK_PRESET if self.data.task is not None else OWN_DATA_PRESET
         for (section, name), value in preset.items():
             if getattr(getattr(self, section), name) is None:
@@ -1021,7 +1021,7 @@ class RunConfig(_Section):
             raise ConfigError(_format_validation_error(err, f"adapter {adapter.name!r}")) from None
 
 
-# Fields a run may change between its starts (README, "Resuming a run"): they say how long the run goes, where it runs and
+# Fields a run may change between its starts (docs/getting-started.md, "Resuming a run"): they say how long the run goes, where it runs and
 # with what resources, how it is evaluated and logged, how the engines and the trainer compute (the same samples and
 # the same steps, up to float rounding), and how long a reward may take. Every other field, and every field added
 # later, changes what a rollout or a step means, and is compared. `*` stands for any adapter's name.

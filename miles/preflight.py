@@ -44,7 +44,7 @@ def check_run_dir(config: RunConfig) -> None:
 
 def check_config_unchanged(run_dir: RunDir, config: RunConfig) -> None:
     """A run that has done work resumes only with the config it did it with, in every field that changes what a
-    rollout or a step means (README, "Resuming a run"), unless `accept_config_change` says a change is meant."""
+    rollout or a step means (docs/getting-started.md, "Resuming a run"), unless `accept_config_change` says a change is meant."""
     recorded = run_dir.recorded_config()
     if recorded is None or not run_dir.has_work() or config.accept_config_change:
         return
@@ -53,7 +53,7 @@ def check_config_unchanged(run_dir: RunDir, config: RunConfig) -> None:
         raise ConfigError(
             f"run_dir: {run_dir.path} was run with another config; these fields change what a rollout or a step "
             "means (rerun with --accept-config-change, or set accept_config_change: true, if the change is meant; "
-            'README, "Resuming a run"):\n' + "\n".join(f"  {line}" for line in changes)
+            'docs/getting-started.md, "Resuming a run"):\n' + "\n".join(f"  {line}" for line in changes)
         )
 
 

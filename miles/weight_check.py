@@ -17,7 +17,7 @@ for the model classes that implement it, which Qwen's do not. So a push is check
   from the weights it starts from): likely tokens, whose log-probs a bf16 engine rounds by hundredths. Tokens the model finds unlikely (log-probs near -15) sit where bf16 logits round by
   whole tenths: on a real bf16 model (SmolLM2-135M-Instruct) served by SGLang on a CPU, a sequence striding through
   the vocabulary differed from the trainer's fp32 forward by 0.25 per token before any push, its greedy sequence by
-  about 0.04 (README, "The push check").
+  about 0.04 (docs/concepts.md, "The push check").
 """
 
 from __future__ import annotations

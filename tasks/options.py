@@ -47,6 +47,6 @@ GPU_TAG_VARIABLE = "MILES_GPU_TAG"
 def gpu_tags() -> list[str]:
     """The tags of the tasks that hold the engines: MILES_GPU_TAG names one (`gpu` with `make server-postgres`), for
     a tag concurrency limit. Unset by default: each tagged task run asks the API for slots, which a SQLite database
-    answers with 503s and 2 s back-offs under load (benchmarks/README.md); PostgreSQL takes it cheaply."""
+    answers with 503s and 2 s back-offs under load (docs/benchmarks.md); PostgreSQL takes it cheaply."""
     tag = os.environ.get(GPU_TAG_VARIABLE)
     return [tag] if tag else []
