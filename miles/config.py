@@ -20,10 +20,9 @@ from pydantic import (
     model_validator,
 )
 
-from miles.engines import check_engine_name
+from miles.registry import check_algorithm_name, check_engine_name
 from miles.run_dir import RunDir
 from miles.seeds import adapter_run_seed
-from miles.train.algorithms import check_algorithm_name
 
 # Marks a field that may name the user's code as 'pkg.mod:name' (RunConfig.import_paths lists them).
 IMPORT_PATH = {"import_path": True}

@@ -41,6 +41,61 @@ def check_name(name: str, builtins: list[str]) -> str:
     raise ValueError(f"unknown {name!r}; use one of {sorted(builtins)} or 'pkg.mod:fn'")
 
 
+# The built-ins a config names, by field: each name's import path (imported only when a run resolves it, so that the
+# config checks names without importing torch). Adding one is its module plus an entry here; a config may also name
+# its own `pkg.mod:name`.
+ENGINES = {  # rollout.engine: a class implementing miles.engines.base.RolloutEngine
+    "torch": "miles.engines.torch_engine:TorchEngine",
+    "sglang": "miles.engines.sglang_engine:SGLangEngine",
+}
+_ALGORITHMS = "miles.train.algorithms"
+
+ALGORITHMS: dict[str, dict[str, str]] = {
+    "advantage_estimator": {
+        name: f"{_ALGORITHMS}.advantages:{name}"
+        for name in (
+            "grpo",
+            "dr_grpo",
+            "rloo",
+            "reinforce_plus_plus",
+            "reinforce_plus_plus_sample",
+            "reinforce_plus_plus_baseline",
+            "gpg",
+            "opo",
+        )
+    }
+    # Their own paths in the rollout executor: gae over tokens with the critic's values, remax with greedy baselines.
+    | {"gae": f"{_ALGORITHMS}.value:gae", "remax": f"{_ALGORITHMS}.advantages:remax"},
+    "policy_loss": {
+        name: f"{_ALGORITHMS}.policy_losses:{name}"
+        for name in ("ppo_clip", "gspo", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov")
+    },
+    "kl_estimator": {
+        **{name: f"{_ALGORITHMS}.kl:{name}" for name in ("k1", "k2", "k3")},
+        "abs": f"{_ALGORITHMS}.kl:absolute",
+        "k1+": f"{_ALGORITHMS}.kl:k1_plus",
+        "k3+": f"{_ALGORITHMS}.kl:k3_plus",
+        # verl's names for the same estimators
+        "mse": f"{_ALGORITHMS}.kl:k2",
+        "low_var_kl": f"{_ALGORITHMS}.kl:k3",
+    },
+    "loss_aggregation": {
+        name: f"{_ALGORITHMS}.aggregation:{name}"
+        for name in ("token_mean", "token_sum", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+    },
+}
+
+
+def check_engine_name(name: str) -> str:
+    """`name` if `rollout.engine` may take it (the config's check; the import happens at miles.engines.resolve_engine)."""
+    return check_name(name, list(ENGINES))
+
+
+def check_algorithm_name(kind: str, name: str) -> str:
+    """`name` if `algo.<kind>` may take it (the config's check; the import happens at resolve_algorithm)."""
+    return check_name(name, list(ALGORITHMS[kind]))
+
+
 ALWAYS_ALLOWED = ("miles",)  # the built-ins
 
 

@@ -2,28 +2,17 @@
 
 An engine is one class implementing `miles.engines.base.RolloutEngine` (the calls the InferenceController and the
 weight transports make, the weight transports it takes, how it is launched from the config). Adding one is one
-module plus one entry in BUILTINS (or none: a config names it by import path). This module imports no torch, so
-the config can check names.
+module plus one entry in miles.registry.ENGINES (or none: a config names it by import path).
 """
 
 from __future__ import annotations
 
-from miles.registry import check_name, import_object
-
-BUILTINS = {
-    "torch": "miles.engines.torch_engine:TorchEngine",
-    "sglang": "miles.engines.sglang_engine:SGLangEngine",
-}
-
-
-def check_engine_name(name: str) -> str:
-    """`name` if `rollout.engine` may take it (the config's check; the import happens at resolve_engine)."""
-    return check_name(name, list(BUILTINS))
+from miles.registry import ENGINES, import_object
 
 
 def resolve_engine(name: str) -> type:
     """The engine class `rollout.engine` names: a built-in, or the user's `pkg.mod:Class`."""
-    engine = import_object("rollout.engine", BUILTINS.get(name, name))
+    engine = import_object("rollout.engine", ENGINES.get(name, name))
     if not isinstance(engine, type):
         raise ValueError(f"rollout.engine: {name!r} is not a class")
     return engine

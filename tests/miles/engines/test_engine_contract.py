@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from miles.config import load_config
-from miles.engines import BUILTINS, resolve_engine, weight_transport
+from miles.engines import resolve_engine, weight_transport
+from miles.registry import ENGINES
 from tests.helpers.engine_contract import contract_violations
 
 
-@pytest.mark.parametrize("name", sorted(BUILTINS))
+@pytest.mark.parametrize("name", sorted(ENGINES))
 def test_every_built_in_engine_offers_the_whole_protocol(name):
     assert contract_violations(resolve_engine(name)) == []
 

@@ -11,8 +11,9 @@ import torch
 from transformers import PretrainedConfig
 
 from miles.config import load_config
+from miles.registry import ALGORITHMS
 from miles.rollout.schema import ROLLOUT_SCHEMA
-from miles.train.algorithms import BUILTINS, Algorithm
+from miles.train.algorithms import Algorithm
 from miles.train.update import token_advantages, train_on_rollout, with_kl_reward_coef
 from tests.helpers import small_llama
 
@@ -112,7 +113,7 @@ def test_recomputed_old_policy_is_corrected_by_the_tis_weight():
     assert _logprob_gradient("algo.use_tis=false") == pytest.approx(-1.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("policy_loss", sorted(BUILTINS["policy_loss"]))
+@pytest.mark.parametrize("policy_loss", sorted(ALGORITHMS["policy_loss"]))
 def test_every_policy_loss_trains_with_the_policy_gradient_at_the_old_policy(policy_loss):
     # At r = 1 (and one token, whose covariance is 0: no clip_cov cut, no kl_cov penalty slope) every built-in
     # loss's gradient is REINFORCE's: dL/dlogp = -A = -1.

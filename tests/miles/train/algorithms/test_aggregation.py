@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.train.algorithms import BUILTINS, resolve_algorithm
+from miles.registry import ALGORITHMS
+from miles.train.algorithms import resolve_algorithm
 from miles.train.algorithms.aggregation import (
     LossScale,
     seq_mean_token_mean,
@@ -69,7 +70,7 @@ def test_seq_mean_token_mean_weighs_sequences_equally():
     assert token_mean(values, mask, scale).item() == pytest.approx(1.6)
 
 
-@pytest.mark.parametrize("name", sorted(BUILTINS["loss_aggregation"]))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS["loss_aggregation"]))
 def test_micro_batches_add_up_to_the_global_batch(name):
     aggregate = resolve_algorithm("loss_aggregation", name)
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +86,7 @@ def test_micro_batches_add_up_to_the_global_batch(name):
     assert whole.abs().item() > 0
 
 
-@pytest.mark.parametrize("name", sorted(BUILTINS["loss_aggregation"]))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS["loss_aggregation"]))
 def test_gradient_flows_to_masked_values_only(name):
     aggregate = resolve_algorithm("loss_aggregation", name)
     values = VALUES.clone().requires_grad_(True)

@@ -1,16 +1,15 @@
-"""miles.train.algorithms: the built-in registry, name checks, import paths and AlgoConfig's default aggregation."""
+"""miles.train.algorithms: the built-ins (miles.registry), name checks, import paths and AlgoConfig's default aggregation."""
 
 from __future__ import annotations
 
 import pytest
 
 from miles.config import AlgoConfig, ConfigError, load_config
+from miles.registry import ALGORITHMS, check_algorithm_name
 from miles.train.algorithms import (
-    BUILTINS,
     Algorithm,
     advantages,
     aggregation,
-    check_algorithm_name,
     kl,
     policy_losses,
     resolve_algorithm,
@@ -26,8 +25,8 @@ def some_fn(logprobs, old_logprobs, advantages, mask, algo):
 
 
 def test_builtins_cover_every_kind():
-    assert sorted(BUILTINS) == sorted(KINDS)
-    assert sorted(BUILTINS["advantage_estimator"]) == sorted(
+    assert sorted(ALGORITHMS) == sorted(KINDS)
+    assert sorted(ALGORITHMS["advantage_estimator"]) == sorted(
         [
             "grpo",
             "dr_grpo",
@@ -41,7 +40,7 @@ def test_builtins_cover_every_kind():
             "gae",
         ]
     )
-    assert sorted(BUILTINS["policy_loss"]) == [
+    assert sorted(ALGORITHMS["policy_loss"]) == [
         "cispo",
         "clip_cov",
         "geo_mean",
@@ -51,8 +50,8 @@ def test_builtins_cover_every_kind():
         "ppo_clip",
         "sapo",
     ]
-    assert sorted(BUILTINS["kl_estimator"]) == ["abs", "k1", "k1+", "k2", "k3", "k3+", "low_var_kl", "mse"]
-    assert sorted(BUILTINS["loss_aggregation"]) == [
+    assert sorted(ALGORITHMS["kl_estimator"]) == ["abs", "k1", "k1+", "k2", "k3", "k3+", "low_var_kl", "mse"]
+    assert sorted(ALGORITHMS["loss_aggregation"]) == [
         "seq_mean_token_mean",
         "seq_mean_token_sum",
         "seq_mean_token_sum_norm",
@@ -61,7 +60,7 @@ def test_builtins_cover_every_kind():
     ]
 
 
-@pytest.mark.parametrize("kind, name", [(kind, name) for kind in KINDS for name in BUILTINS[kind]])
+@pytest.mark.parametrize("kind, name", [(kind, name) for kind in KINDS for name in ALGORITHMS[kind]])
 def test_every_builtin_resolves_to_a_callable(kind, name):
     fn = resolve_algorithm(kind, name)
     assert callable(fn)
@@ -109,7 +108,7 @@ def test_unknown_name_rejected_by_the_config(kind):
     message = str(info.value)
     assert f"algo.{kind}" in message
     assert "'nope'" in message
-    for name in BUILTINS[kind]:
+    for name in ALGORITHMS[kind]:
         assert repr(name) in message
 
 
