@@ -20,7 +20,7 @@ give the CPU, a made-up UUID per (node, GPU id) and an H100's memory.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -218,6 +218,13 @@ def choose_transport(rollout: RolloutConfig, train: TrainConfig, engine: type) -
     return transport
 
 
+def weight_transport(rollout, train) -> str:
+    """The transport a run's weight pushes take, chosen by placement (choose_transport)."""
+    from miles.engines import resolve_engine
+
+    return choose_transport(rollout, train, resolve_engine(rollout.engine))
+
+
 def check_transport(transport: str, trainer: list[Location], engines: list[Location], colocated: bool) -> None:
     """Refuse, at start, a transport that what Ray assigned cannot carry: `tensor` needs each engine on its sender's
     GPU (trainer rank i's when colocated, else rank 0's), `distributed` over NCCL no engine on rank 0's."""
@@ -284,7 +291,6 @@ def plan_placement(config: RunConfig) -> PlacementRecord:
 
     from miles.cluster import ENGINE_CONCURRENCY, actor_options
     from miles.engines import resolve_engine
-    from miles.train.group import worker_placement
 
     engine = resolve_engine(config.rollout.engine)
     transport = choose_transport(config.rollout, config.train, engine)
@@ -406,3 +412,45 @@ class ColocatedBundles:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
+
+
+PLACEMENT_TIMEOUT_S = 120.0
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
+
+
+def worker_bundle(config: RunConfig) -> dict[str, float]:
+    """What one worker reserves: a CPU slot (torch.set_num_threads decides the real threads), and on CUDA a whole GPU
+    (a colocated run's pairs share theirs: miles.placement.ColocatedBundles)."""
+    bundle = {"CPU": 1.0}
+    if on_gpus(config.train.device):
+        bundle["GPU"] = 1.0
+    return bundle
+
+
+def worker_placement(
+    config: RunConfig, colocated: ColocatedBundles | None = None
+) -> tuple[Callable[[int], dict], Callable[[], None] | None]:
+    """Each rank's Ray options, and what releases them: pair i's bundle of a colocated run for rank i (the run holds
+    them), else a placement group of train.num_workers bundles for the group alone."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if colocated is not None:
+        return colocated.options, None
+    workers = config.train.num_workers
+    bundle = worker_bundle(config)
+    group = placement_group([bundle] * workers, strategy=STRATEGIES[config.train.placement])
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"train.num_workers={workers} ({config.train.placement}): Ray could not place {workers} workers of "
+            f"{bundle} in {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.available_resources()} free"
+        )
+
+    def on_bundle(index: int) -> dict:
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+        return {"scheduling_strategy": strategy, "num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
+
+    return on_bundle, lambda: remove_placement_group(group)

@@ -21,13 +21,19 @@ from miles.cluster import ActorGroup, RestartableActor, ensure_ray
 from miles.config import ConfigChange, ConfigError, RunConfig, recorded_changes
 from miles.data import check_prompt_tokens, load_rows
 from miles.data.prompts import PromptFormatter
-from miles.engines import weight_transport
 from miles.evaluate import load_eval_sets
 from miles.iterations import Iterations, PolicyInputs
 from miles.memory_budget import ModelShape, resident_bytes, trainer_parts
 from miles.models import build_tokenizer, ensure_embedded_model
 from miles.models.tiny import tool_tokens
-from miles.placement import ColocatedBundles, PlacementRecord, check_transport, location_of, torch_device
+from miles.placement import (
+    ColocatedBundles,
+    PlacementRecord,
+    check_transport,
+    location_of,
+    torch_device,
+    weight_transport,
+)
 from miles.preflight import check_start, load_model_files
 from miles.progress import IterationReporter
 from miles.resume import ResumePlan

@@ -16,10 +16,3 @@ def resolve_engine(name: str) -> type:
     if not isinstance(engine, type):
         raise ValueError(f"rollout.engine: {name!r} is not a class")
     return engine
-
-
-def weight_transport(rollout, train) -> str:
-    """The transport a run's weight pushes take, chosen by placement (miles.placement.choose_transport)."""
-    from miles.placement import choose_transport
-
-    return choose_transport(rollout, train, resolve_engine(rollout.engine))

@@ -119,7 +119,7 @@ def weights_push(rollout, model_dir, weights: dict, version: int, directory):
     model directory (under `directory`, one per version) for SGLang."""
     import ray
 
-    from miles.engines import weight_transport
+    from miles.placement import weight_transport
     from miles.rollout.weight_transport import DiskPush, ObjectStorePush
 
     probe = weights_probe(model_dir, weights)
