@@ -6,9 +6,9 @@ them once on the same rollout table. The base is a randomly initialised Llama (-
 once in float32 (the side of one worker, as the multi-LoRA trainer held every base before) and once in bfloat16 (the
 side of two FSDP2 workers: the base in its dtype, each worker a half of it).
 
-Memory per worker is what it holds in tensors (tests.helpers.lora_memory) after the training: the worker's part of the frozen base, the
-adapters' parameters and gradients, their optimizer state; the largest over the ranks. These stay as they are after
-the first step. Activations and FSDP2's gathered copy of a layer are transient and not in it; the peak RSS of each
+Memory per worker is what it holds in tensors (tests.helpers.lora_memory) after the training: the worker's part of
+the frozen base, the adapters' parameters and gradients, their optimizer state; the largest over the ranks. These
+stay as they are after the first step. Activations and FSDP2's gathered copy of a layer are transient and not in it; the peak RSS of each
 worker process (which also holds torch, Ray's worker and a whole base while loading it) is printed beside.
 
 Prints `lora_base_memory_ratio <bytes per worker with a bf16 base on 2 workers / with a float32 base on 1>` (goal:

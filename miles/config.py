@@ -1020,10 +1020,10 @@ class RunConfig(_Section):
             raise ConfigError(_format_validation_error(err, f"adapter {adapter.name!r}")) from None
 
 
-# Fields a run may change between its starts (docs/getting-started.md, "Resuming a run"): they say how long the run goes, where it runs and
-# with what resources, how it is evaluated and logged, how the engines and the trainer compute (the same samples and
-# the same steps, up to float rounding), and how long a reward may take. Every other field, and every field added
-# later, changes what a rollout or a step means, and is compared. `*` stands for any adapter's name.
+# Fields a run may change between its starts (docs/getting-started.md, "Resuming a run"): they say how long the run
+# goes, where it runs and with what resources, how it is evaluated and logged, how the engines and the trainer compute
+# (the same samples and the same steps, up to float rounding), and how long a reward may take. Every other field, and
+# every field added later, changes what a rollout or a step means, and is compared. `*` stands for any adapter's name.
 CHANGES_FREELY = (
     "num_rollout",
     "iterations_per_run",
