@@ -61,6 +61,8 @@ FLOAT32_BACKENDS = {"triton", "torch_native"}  # SGLang's GPU attention backends
 _PR_SET_PDEATHSIG = 1
 _LOG_TAIL_LINES = 30
 _POLL_S = 0.5
+_PORT_ATTEMPTS = 3
+_PORT_TAKEN = "address already in use"  # uvicorn's bind error, in the server's log
 
 
 class SGLangEngine:
@@ -126,39 +128,52 @@ class SGLangEngine:
         self._releases_on_server = on_gpus(device)
         self._work_dir = Path(tempfile.mkdtemp(prefix="miles-sglang-"))
         self._log_path = self._work_dir / "server.log"
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
         self.timeout_s = timeout_s
-        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False)
         on_cpu = torch_device(device).type == "cpu"
-        command = launch_command(
-            model_dir, port, weight_version, device, dtype, self.config, lora_rank, lora_target_modules,
-            max_running_requests, colocated_trainer_bytes,
-        )  # fmt: skip
         # SGLang's CPU engine is chosen by this variable; without it `--device cpu` still reaches CUDA-only kernels.
         environment = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"} if on_cpu else None
-        with open(self._log_path, "ab") as server_log:
-            # Its own process group, so shutdown stops the server's workers too; and it dies with this actor, so a
-            # killed actor never leaves a server holding the GPU and the port.
-            self._process = subprocess.Popen(
-                command,
-                stdout=server_log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=environment,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
+        # The port is free when it is chosen, but the server binds it only once it is up, seconds later, and another
+        # process may take it meanwhile: a server that exits for that starts again on another port.
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            port = _free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            self._http = httpx.Client(
+                base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), trust_env=False
             )
-        self._wait_until_ready(config.startup_timeout_s)
+            command = launch_command(
+                model_dir, port, weight_version, device, dtype, self.config, lora_rank, lora_target_modules,
+                max_running_requests, colocated_trainer_bytes,
+            )  # fmt: skip
+            log_start = self._log_path.stat().st_size if self._log_path.exists() else 0
+            with open(self._log_path, "ab") as server_log:
+                # Its own process group, so shutdown stops the server's workers too; and it dies with this actor, so a
+                # killed actor never leaves a server holding the GPU and the port.
+                self._process = subprocess.Popen(
+                    command,
+                    stdout=server_log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=environment,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            if self._wait_until_ready(self.config.startup_timeout_s, log_start, may_retry=attempt < _PORT_ATTEMPTS):
+                return
+            log.warning("sglang server: port %d was taken before the server bound it; starting on another", port)
+            self._http.close()
 
-    def _wait_until_ready(self, timeout_s: float) -> None:
+    def _wait_until_ready(self, timeout_s: float, log_start: int, may_retry: bool) -> bool:
+        """True once the server answers; False when it exited because its port was taken and a retry `may_retry`;
+        else the start failed: raise with its log."""
         deadline = time.monotonic() + timeout_s
         while self._process.poll() is None and time.monotonic() < deadline:
-            if self.health():
+            if self.health() and self._process.poll() is None:  # ours answered, not whoever took its port
                 log.info("sglang server at %s is up; its log: %s", self.url, self._log_path)
-                return
+                return True
             time.sleep(_POLL_S)
         exited = self._process.poll()
+        if exited is not None and may_retry and _PORT_TAKEN in self._log_since(log_start):
+            return False
         what = (
             f"exited with code {exited}"
             if exited is not None
@@ -167,6 +182,11 @@ class SGLangEngine:
         message = f"sglang server at {self.url} {what} while starting; its log ends:\n{self._log_tail()}"
         self.shutdown()
         raise RuntimeError(message)
+
+    def _log_since(self, offset: int) -> str:
+        with open(self._log_path, "rb") as server_log:
+            server_log.seek(offset)
+            return server_log.read().decode(errors="replace")
 
     def _log_tail(self) -> str:
         try:

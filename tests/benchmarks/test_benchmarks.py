@@ -53,10 +53,13 @@ SLOW = {
     "async_vs_sync",
     "chaos",
     "events_lineage",
+    "fully_async_vs_sync",
     "gpu_tag",
     "long_run",
+    "lora_base_memory",
     "orchestration_overhead",
     "per_rank_push",
+    "sglang_transports",
     "startup",
     "tenants",
 }

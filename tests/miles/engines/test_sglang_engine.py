@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 
 import httpx
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from miles.config import SGLangConfig, load_config
+from miles.engines import sglang_engine
 from miles.engines.base import EngineUnavailable, GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine, choose_attention_backend, token_versions
 from miles.engines.torch_engine import TorchEngine
@@ -310,6 +312,25 @@ def test_a_server_that_cannot_start_names_its_exit_code_and_log(tiny_model_dir):
         match=r"(?s)exited with code 2 while starting; its log ends:.*unrecognized arguments: --no-such-flag",
     ):
         _start(tiny_model_dir, config=config)
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_it_starts_on_another(tiny_model_dir, tokenizer, monkeypatch):
+    """The port is free when the engine chooses it, but the server binds it only once it is up: a process that takes
+    it meanwhile makes the server exit ("address already in use"), and the engine starts it again on another port."""
+    with socket.socket() as thief, socket.socket() as spare:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen()
+        spare.bind(("127.0.0.1", 0))
+        ports = iter([thief.getsockname()[1], spare.getsockname()[1]])
+        spare_port = spare.getsockname()[1]
+        spare.close()
+        monkeypatch.setattr(sglang_engine, "_free_port", lambda: next(ports))
+        engine = _start(tiny_model_dir)
+        try:
+            assert engine.url == f"http://127.0.0.1:{spare_port}"
+            assert engine.generate(make_requests(tokenizer, ["1+2="], max_new_tokens=2))
+        finally:
+            engine.shutdown()
 
 
 def test_the_server_dies_with_its_engine_actor(ray_session, tiny_model_dir):
