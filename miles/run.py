@@ -313,7 +313,9 @@ class RLRun:
             )
         if self.transport == "disk":
             return DiskTransport(source, self.run_dir.engine_weights)
-        return {"object_store": ObjectStoreTransport, "tensor": TensorTransport}[self.transport](source)
+        if self.transport == "tensor":
+            return TensorTransport(source)
+        return ObjectStoreTransport(source)
 
     def _push_weights(self, version: int) -> None:
         """Full weights as `version` to every engine, by rollout.weight_transport; a version they hold is skipped."""
