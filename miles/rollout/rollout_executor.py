@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from miles.config import CHANGES_FREELY, RunConfig
+from miles.config import RunConfig
+from miles.config.base import changes_freely
 from miles.data import DataSource
 from miles.engines.base import SamplingParams
 from miles.rewards import MODEL_REWARDS, RewardFn
@@ -39,8 +40,9 @@ def scorer_identity(config: RunConfig, reward: RewardFn | object) -> str:
     its config value and a hash of the source file it comes from, so that a reward fixed in place reads as another."""
     name = config.data.reward
     if name in MODEL_REWARDS:  # a model scores: its settings say what it gives, except those that change freely
-        resources = {field.split(".", 1)[1] for field in CHANGES_FREELY if field.startswith(f"{name}.")}
-        settings = getattr(config, name).model_dump(mode="json", exclude=resources)
+        section = getattr(config, name)
+        resources = {field for field in type(section).model_fields if changes_freely(RunConfig, f"{name}.{field}")}
+        settings = section.model_dump(mode="json", exclude=resources)
         name = f"{name}{json.dumps(settings, sort_keys=True)}"
     scorers = {"data.reward": (name, reward)}
     if config.rollout.env is not None:

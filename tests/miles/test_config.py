@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from miles.config import AdapterConfig, ConfigError, DataConfig, RunConfig, load_config
+from miles.config import (
+    MID_RUN_FIELDS,
+    AdapterConfig,
+    ConfigError,
+    DataConfig,
+    MidRunSettings,
+    RunConfig,
+    config_changes,
+    load_config,
+)
+from miles.config.base import changes_freely
 
 
 def test_defaults_validate():
@@ -76,6 +86,13 @@ def test_override_without_file_and_null_value():
 def test_bad_override_syntax():
     with pytest.raises(ConfigError, match="a.b=value"):
         load_config(None, ["train.lr"])
+
+
+def test_an_override_reaches_into_a_list_of_sections_by_index():
+    config = load_config(None, [ADAPTERS, "adapters.1.lr=0.5", "adapters.1.data.task=addition"])
+    assert (config.adapters[1].lr, config.adapters[1].data.task, config.adapters[0].lr) == (0.5, "addition", 0.01)
+    assert "adapters holds 2 items; 2 is not one of them" in _message(ADAPTERS, "adapters.2.lr=0.5")
+    assert "adapters holds 2 items; add is not one of them" in _message(ADAPTERS, "adapters.add.lr=0.5")
 
 
 def _message(*overrides: str, path=None, **fields) -> str:
@@ -394,3 +411,58 @@ def test_the_critic_is_a_trainer_group_of_its_own_with_the_policy_trainers_setti
         2e-3,
         1e-5,
     )
+
+
+def test_a_start_may_change_the_fields_marked_to_change_freely_and_no_other():
+    recorded = load_config(None, [ADAPTERS]).model_dump(mode="json")
+    free = [
+        "num_rollout=9",
+        "train.num_workers=2",
+        "rollout.sglang.python=/opt/sglang/bin/python",  # a section marked: every field in it
+        "eval.interval=5",
+        "adapters.0.num_steps=3",
+        "adapters.1.data.reward_timeout_s=5",  # a data section's field, inside an adapter
+    ]
+    assert config_changes(recorded, load_config(None, [ADAPTERS, *free]).model_dump(mode="json")) == []
+    meaning = ["train.lr=0.1", "rollout.temperature=0.5", "adapters.0.lr=0.5", "data.task=subtraction"]
+    assert config_changes(recorded, load_config(None, [ADAPTERS, *free, *meaning]).model_dump(mode="json")) == [
+        "adapters.add.lr: 0.01 -> 0.5",
+        'data.task: "addition" -> "subtraction"',
+        "rollout.temperature: 1.0 -> 0.5",
+        "train.lr: 0.0005 -> 0.1",
+    ]
+    assert not changes_freely(RunConfig, "train.no_such_field")  # a field it does not know is compared
+
+
+def test_the_pause_form_is_made_from_the_fields_marked_mid_run_with_their_bounds():
+    assert MID_RUN_FIELDS == {
+        "num_rollout": "num_rollout",
+        "save_interval": "save_interval",
+        "temperature": "rollout.temperature",
+        "kl_loss_coef": "algo.kl_loss_coef",
+        "entropy_coef": "algo.entropy_coef",
+        "lr": "train.lr",
+        "eval_interval": "eval.interval",
+    }
+    config = load_config(None, ["changes=[{rollout_id: 3, values: {train.lr: 0.01}}]"])
+    assert MidRunSettings.of(config, 2).lr == 5e-4 and MidRunSettings.of(config, 3).lr == 0.01
+    form = MidRunSettings.of(config, 3)
+    assert MidRunSettings.model_fields["temperature"].description.startswith(
+        "rollout.temperature: the sampling temperature"
+    )
+    with pytest.raises(ValueError, match="temperature"):  # the config field's bound (> 0) holds in the form
+        form.temperature = 0.0
+    form.temperature, form.changed_by, form.reason = 0.5, "ana", "less noise"
+    change = form.change(config, 3)
+    assert (change.rollout_id, change.values, change.by, change.reason) == (
+        3,
+        {"rollout.temperature": 0.5},
+        "ana",
+        "less noise",
+    )
+    assert MidRunSettings.of(config, 3).change(config, 3) is None
+
+
+def test_a_scheduled_change_of_a_field_not_marked_mid_run_is_refused():
+    with pytest.raises(ConfigError, match="data.task cannot change in the middle of a run"):
+        load_config(None, ["changes=[{rollout_id: 1, values: {data.task: subtraction}}]"])

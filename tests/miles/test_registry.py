@@ -6,6 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from miles.config import IMPORT_PATH, RunConfig, load_config
+from miles.config.base import has_mark
 from miles.registry import ImportNotAllowed, check_allowed_modules, module_allowed
 
 
@@ -51,7 +52,7 @@ def _fields_naming_code(model: type[BaseModel], prefix: str = "") -> dict[str, b
         for sub in _models_in(info.annotation):
             found |= _fields_naming_code(sub, f"{prefix}{name}.")
         if "pkg.mod:" in (info.description or ""):
-            found[f"{prefix}{name}"] = info.json_schema_extra == IMPORT_PATH
+            found[f"{prefix}{name}"] = has_mark(info, IMPORT_PATH)
     return found
 
 
