@@ -19,6 +19,7 @@ from benchmarks.smoke import TINY_RUN, parse_args
 from miles.cluster import ensure_ray
 from miles.config import load_config
 from miles.loop import run_sync
+from miles.placement import ray_actors
 from miles.run_dir import RunDir
 
 PPO = ["algo.advantage_estimator=gae", "critic.warmup_rollouts=10"]
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--ppo-set", dest="ppo", action="append", default=None, help="PPO's own overrides")
     args = parse_args(parser, rollouts=2, overrides=TINY_RUN)
     ppo = [*args.overrides, *(args.ppo or PPO)]
-    ensure_ray(None, actors=load_config(None, ppo).ray_actors)  # room for the critic: one Ray for both runs
+    ensure_ray(None, actors=ray_actors(load_config(None, ppo), critic=True))  # room for the critic: one Ray for both
     figures = {
         "grpo": _learning(args.overrides, args.rollouts, "grpo"),
         "ppo": _learning(ppo, args.rollouts, "ppo"),

@@ -41,6 +41,7 @@ from benchmarks.random_llama import random_llama
 from benchmarks.smoke import parse_args
 from miles.cluster import RestartableActor, ensure_ray
 from miles.config import load_config
+from miles.placement import ray_actors
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.weight_transport import DiskPush, DistributedTransport, TrainerWeights
 from miles.run_dir import RunDir
@@ -73,7 +74,7 @@ def _measure(model_dir: Path, run_dir: Path, args) -> tuple[dict[str, list[float
         run_dir=str(run_dir),
     )
     run = RunDir(config.run_dir).create()
-    ensure_ray(None, actors=config.ray_actors)
+    ensure_ray(None, actors=ray_actors(config, critic=False))
     trainer = RestartableActor("trainer", lambda: start_trainer_group(config, model_dir, None))
     controller = None
     version = 0  # each push carries a new one, as if the trainer had trained in between

@@ -125,16 +125,22 @@ def _plan(args: argparse.Namespace) -> int:
     import ray
 
     from miles.cluster import ensure_ray
-    from miles.placement import plan_placement, simulated_cluster
+    from miles.placement import plan_placement, ray_actors, simulated_cluster
+    from miles.train.algorithms import resolve_estimator
 
     with contextlib.ExitStack() as stack:
         address = config.ray_address
         if shape:
             address = stack.enter_context(simulated_cluster(int(shape[1]), int(shape[2])))
-        ensure_ray(address, actors=config.ray_actors)
+        try:
+            critic = resolve_estimator(config.algo).needs_critic
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        ensure_ray(address, actors=ray_actors(config, critic))
         stack.callback(ray.shutdown)
         try:
-            record = plan_placement(config)
+            record = plan_placement(config, critic)
         except (ValueError, RuntimeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -33,6 +33,7 @@ from miles.rollout.schema import rollout_metadata
 from miles.rollout.store import RolloutStore
 from miles.run_dir import RunDir, is_evaluation
 from miles.trackers import Trackers
+from miles.train.algorithms import Algorithm
 from miles.weight_version import trained_version
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class PolicyInputs(NamedTuple):
     rows: list[dict[str, str]]
     reward: RewardFn | object  # a reward function or a batched reward (miles.rewards)
     eval_sets: list[EvalSet]
+    algorithm: Algorithm
 
 
 @dataclass(frozen=True)

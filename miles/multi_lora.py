@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from miles.cluster import ActorGroup, RestartableActor, actor_error, ensure_ray, first_line
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
 from miles.iterations import Iterations, PolicyInputs
+from miles.placement import ray_actors
 from miles.preflight import check_start
 from miles.progress import AdapterReporter, ProgressLine
 from miles.resume import ResumePlan
@@ -38,6 +39,7 @@ from miles.rollout.store import RolloutStore
 from miles.run import check_context, check_inputs, initial_model, starting_tokenizer
 from miles.run_dir import RunDir
 from miles.tenants import TenantBook
+from miles.train.algorithms import resolve_estimator
 from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
 
@@ -58,6 +60,11 @@ def resolve_adapters(config: RunConfig) -> list[AdapterConfig]:
 def check_adapter_inputs(config: RunConfig) -> dict[str, PolicyInputs]:
     """Each adapter's view of the run, dataset and reward, checked before any work; errors name the adapter."""
     adapters = resolve_adapters(config)
+    try:
+        if resolve_estimator(config.algo).needs_critic:
+            config.check_critic_group()  # refuses: adapters have no critic
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     checked = {a.name: _check_adapter(config, a, f"adapters.{i}") for i, a in enumerate(adapters)}
     check_start(config)
     start = _starting_tokenizer(config)
@@ -333,7 +340,8 @@ class MultiLoRARun:
         self.start_tokenizer = _starting_tokenizer(config)
         tenants = self.book.submitted()
         ensure_ray(
-            config.ray_address, actors=config.model_copy(update={"adapters": config.adapters + tenants}).ray_actors
+            config.ray_address,
+            actors=ray_actors(config.model_copy(update={"adapters": config.adapters + tenants}), critic=False),
         )
         self.controller = InferenceController(str(self.initial_model), 0, config.rollout, config.adapters + tenants)
         self._resources.callback(self.controller.shutdown)

@@ -263,15 +263,23 @@ class Seat:
         return here()
 
 
-def trainer_groups(config: RunConfig) -> dict[str, RunConfig]:
-    """A run's trainer groups, by name, each as the config its workers start from: the policy's and the critic's, or
-    the multi-LoRA flow's groups."""
+def trainer_groups(config: RunConfig, critic: bool) -> dict[str, RunConfig]:
+    """A run's trainer groups, by name, each as the config its workers start from: the policy's and, when the
+    algorithm trains one (`critic`), the critic's; or the multi-LoRA flow's groups."""
     if config.adapters:
         return {name: config for name in sorted({adapter.trainer_group for adapter in config.adapters})}
     groups = {"policy": config}
-    if config.algo.uses_critic:
+    if critic:
         groups["critic"] = config.critic_view()
     return groups
+
+
+def ray_actors(config: RunConfig, critic: bool) -> int:
+    """The Ray actors a run starts: its engines, its trainer groups' workers, its judge's engines and reward model."""
+    workers = sum(group.train.num_workers for group in trainer_groups(config, critic).values())
+    judges = config.judge.num_engines if "judge" in config.rewards_used else 0
+    reward_model = 1 if "reward_model" in config.rewards_used else 0
+    return config.rollout.num_engines + workers + judges + reward_model
 
 
 def gpus_asked(config: RunConfig, engine_ranks: int, groups: dict[str, RunConfig]) -> int:
@@ -283,7 +291,7 @@ def gpus_asked(config: RunConfig, engine_ranks: int, groups: dict[str, RunConfig
     return engines + trainers
 
 
-def plan_placement(config: RunConfig) -> PlacementRecord:
+def plan_placement(config: RunConfig, critic: bool) -> PlacementRecord:
     """Where a run's trainer ranks and engines would land on the Ray cluster this process is attached to: seats take
     each actor's own resource requests, by the code that starts the engines and trainer groups, report where Ray put
     them, and are released. A request the cluster cannot meet is refused, naming it."""
@@ -294,7 +302,7 @@ def plan_placement(config: RunConfig) -> PlacementRecord:
 
     engine = resolve_engine(config.rollout.engine)
     transport = choose_transport(config.rollout, config.train, engine)
-    groups = trainer_groups(config)
+    groups = trainer_groups(config, critic)
     asked = gpus_asked(config, engine.ranks(config.rollout), groups)
     has = int(ray.cluster_resources().get("GPU", 0))
     if asked > has:

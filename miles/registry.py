@@ -64,8 +64,9 @@ ALGORITHMS: dict[str, dict[str, str]] = {
             "opo",
         )
     }
-    # Their own paths in the rollout executor: gae over tokens with the critic's values, remax with greedy baselines.
-    | {"gae": f"{_ALGORITHMS}.value:gae", "remax": f"{_ALGORITHMS}.advantages:remax"},
+    # Estimators that need more than the scores (miles.train.algorithms.estimators): remax a greedy response per
+    # prompt, gae the critic's values.
+    | {"gae": f"{_ALGORITHMS}.estimators:GAE", "remax": f"{_ALGORITHMS}.estimators:ReMax"},
     "policy_loss": {
         name: f"{_ALGORITHMS}.policy_losses:{name}"
         for name in ("ppo_clip", "gspo", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov")

@@ -31,6 +31,7 @@ from miles.placement import (
     PlacementRecord,
     check_transport,
     location_of,
+    ray_actors,
     torch_device,
     weight_transport,
 )
@@ -72,11 +73,17 @@ def check_inputs(config: RunConfig) -> PolicyInputs:
             config.rollout.top_p,
         )
     try:
-        Algorithm.from_config(config.algo)
+        algorithm = Algorithm.from_config(config.algo)
+        if algorithm.needs_critic:
+            config.check_critic_group()
         weight_transport(config.rollout, config.train)
         resolve_generate_fn(config)
         return PolicyInputs(
-            config, load_rows(config.data), resolve_reward(config.data.reward, config), load_eval_sets(config)
+            config,
+            load_rows(config.data),
+            resolve_reward(config.data.reward, config),
+            load_eval_sets(config),
+            algorithm,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -172,6 +179,7 @@ class RLRun:
         config = config.model_copy(update={"run_dir": str(Path(config.run_dir).resolve())})
         config = config.with_changes(recorded_changes(RunDir(config.run_dir)))
         inputs = check_run(config)
+        self.algorithm = inputs.algorithm
         self.transport = weight_transport(config.rollout, config.train)
         self.config = config
         self.run_dir = RunDir(config.run_dir).create()
@@ -181,7 +189,7 @@ class RLRun:
             tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
             plan = ResumePlan.read(self.run_dir, RolloutStore(self.run_dir.rollouts))
             self._record_start(plan)
-            ensure_ray(config.ray_address, actors=config.ray_actors)
+            ensure_ray(config.ray_address, actors=ray_actors(config, self.algorithm.needs_critic))
             self.colocated = ColocatedBundles(config.train.num_workers) if config.rollout.colocate else None
             if self.colocated is not None:
                 started.callback(self.colocated.release)
@@ -191,7 +199,7 @@ class RLRun:
             started.callback(self.iterations.close)
             self.trainer = RestartableActor("trainer", self._restored_trainer)
             started.callback(self.trainer.kill)
-            if self.has_critic:
+            if self.algorithm.needs_critic:
                 self.critic = RestartableActor("critic", self._restored_critic)
                 started.callback(self.critic.kill)
             self.served_dtype = self.controller.engine_class.served_dtype(str(self.initial_model), config.rollout)
@@ -225,7 +233,7 @@ class RLRun:
 
     def _record_placement(self) -> None:
         """Where Ray put the trainer's ranks and the engines, in run.json; a transport they cannot carry is refused."""
-        groups = {"policy": self.trainer, **({"critic": self.critic} if self.has_critic else {})}
+        groups = {"policy": self.trainer, **({"critic": self.critic} if self.algorithm.needs_critic else {})}
         record = PlacementRecord(
             colocated=self.colocated is not None,
             transport=self.transport,
@@ -262,10 +270,6 @@ class RLRun:
                 raise
 
         return self.iterations.restore(start, train)
-
-    @property
-    def has_critic(self) -> bool:
-        return self.config.algo.uses_critic
 
     def _restored_critic(self) -> ActorGroup:
         """The critic's group from its latest intact checkpoint (else from critic.model_path or the policy's starting
@@ -338,7 +342,7 @@ class RLRun:
                 f"(the next is {change.rollout_id})"
             )
         self.trainer.call(TrainActor.change_config, config)
-        if self.has_critic:
+        if self.algorithm.needs_critic:
             self.critic.call(CriticActor.change_config, config.critic_view())
         self.config = config
         self.iterations.change_config(config)
@@ -348,7 +352,7 @@ class RLRun:
         """Stop the engines and the trainer group, keeping the run: `start_again` brings them back."""
         self.controller.shutdown()
         self.trainer.release()
-        if self.has_critic:
+        if self.algorithm.needs_critic:
             self.critic.release()
 
     def start_again(self) -> None:
@@ -405,7 +409,7 @@ class RLRun:
 
     def save_checkpoint(self, rollout_id: int) -> str:
         """The policy's checkpoint of `rollout_id`, and the critic's (first, in its own directory) with one."""
-        if self.has_critic:
+        if self.algorithm.needs_critic:
             self.critic.call(CriticActor.save_checkpoint, rollout_id, {"seed": self.config.seed})
         return self.trainer.call(TrainActor.save_checkpoint, rollout_id, self.iterations.checkpoint_state(rollout_id))
 

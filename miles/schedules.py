@@ -92,7 +92,7 @@ def sync_iteration(run: RLRun, steps: Steps, rollout_id: int) -> None:
 def handed_over(run: RLRun, steps: Steps, rollout_id: int, generated: list) -> Any:
     """The rollout's table from `get` once its generation (`generated`: its future, if any) is done; with a critic
     (algo.advantage_estimator=gae) the critic's values of its tokens come first, since GAE needs them."""
-    if run.has_critic:
+    if run.algorithm.needs_critic:
         steps.compute_values(run, rollout_id, wait_for=generated)
         generated = []
     return steps.get(run, rollout_id, wait_for=generated)
@@ -101,7 +101,7 @@ def handed_over(run: RLRun, steps: Steps, rollout_id: int, generated: list) -> A
 def train(run: RLRun, steps: Steps, rollout_id: int, table: Any) -> None:
     """The policy's optimizer steps on the rollout, then the critic's (with one)."""
     steps.train_step(run, rollout_id, table)
-    if run.has_critic:
+    if run.algorithm.needs_critic:
         steps.train_critic(run, rollout_id, table)
 
 

@@ -125,16 +125,6 @@ class AlgoConfig(Section):
         return "token_mean"
 
     @property
-    def uses_critic(self) -> bool:
-        """Whether advantages come from a learned value function (GAE) rather than from the group's scores."""
-        return self.advantage_estimator == "gae"
-
-    @property
-    def greedy_baseline(self) -> bool:
-        """Whether each prompt also gets a greedy response, whose reward is its samples' baseline (ReMax)."""
-        return self.advantage_estimator == "remax"
-
-    @property
     def needs_reference(self) -> bool:
         """Whether the trainer holds the starting policy as a frozen reference."""
         return self.use_kl_loss or self.kl_in_reward

@@ -210,16 +210,6 @@ class RunConfig(Section):
                 f"(gloo on CPU, NCCL on CUDA): train.device ({self.train.device}) and rollout.device "
                 f"({self.rollout.device}) must both be cpu or both cuda"
             )
-        if self.algo.uses_critic:
-            if self.critic.num_workers > 1 and self.train.sharding == "none":
-                raise ValueError(f"critic.num_workers={self.critic.num_workers} needs train.sharding fsdp or unset")
-            if self.train.global_batch_size % self.critic.num_workers:
-                raise ValueError(
-                    f"critic.num_workers ({self.critic.num_workers}) must divide "
-                    f"train.global_batch_size ({self.train.global_batch_size})"
-                )
-            if self.adapters:
-                raise ValueError("algo.advantage_estimator=gae trains a critic of the full model; adapters have none")
         for reward, section in (("judge", self.judge), ("reward_model", self.reward_model)):
             if reward in self.rewards_used and section.model_path is None:
                 raise ValueError(f"data.reward={reward} needs {reward}.model_path")
@@ -234,14 +224,19 @@ class RunConfig(Section):
             raise ValueError(f"adapters: names must be unique; repeated: {repeated}")
         return self
 
-    @property
-    def ray_actors(self) -> int:
-        """The Ray actors a run starts: its engines and its trainer workers (of each trainer group)."""
-        groups = len({adapter.trainer_group for adapter in self.adapters}) or 1
-        critic = self.critic.num_workers if self.algo.uses_critic else 0
-        judges = self.judge.num_engines if "judge" in self.rewards_used else 0
-        reward_model = 1 if "reward_model" in self.rewards_used else 0
-        return self.rollout.num_engines + groups * self.train.num_workers + critic + judges + reward_model
+    def check_critic_group(self) -> None:
+        """What a critic's trainer group needs, checked where the algorithm trains one (its advantage estimator says
+        so: miles.train.algorithms.estimators; a config cannot tell without importing it)."""
+        estimator = f"algo.advantage_estimator={self.algo.advantage_estimator}"
+        if self.adapters:
+            raise ConfigError(f"{estimator} trains a critic of the full model; adapters have none")
+        if self.critic.num_workers > 1 and self.train.sharding == "none":
+            raise ConfigError(f"critic.num_workers={self.critic.num_workers} needs train.sharding fsdp or unset")
+        if self.train.global_batch_size % self.critic.num_workers:
+            raise ConfigError(
+                f"critic.num_workers ({self.critic.num_workers}) must divide "
+                f"train.global_batch_size ({self.train.global_batch_size})"
+            )
 
     @property
     def rewards_used(self) -> set[str]:

@@ -23,14 +23,20 @@ from miles.engines.base import SamplingParams
 from miles.rewards import MODEL_REWARDS, RewardFn
 from miles.rewards.scoring import clip
 from miles.rollout.generation import GenerateClient, RolloutSample, SampleRecord, resolve_generate_fn
+from miles.rollout.handover import (
+    Handover,
+    dynamic_sampling,
+    shaped_scores,
+    split_evenly,
+    with_advantages,
+    without_failed,
+    without_stale_groups,
+)
 from miles.rollout.inference_controller import InferenceController
-from miles.rollout.schema import ROLLOUT_SCHEMA, records_table, rollout_metadata, with_rollout_metadata
+from miles.rollout.schema import records_table, rollout_metadata, with_rollout_metadata
 from miles.rollout.store import DamagedRollout, RolloutStore
 from miles.seeds import rollout_seed
-from miles.train.algorithms import resolve_algorithm
-from miles.train.algorithms.dapo import equal_score_groups, overlong_penalty
-from miles.train.algorithms.value import gae, whiten
-from miles.train.batch import RETURNS, TOKEN_ADVANTAGES, VALUES, list_grid
+from miles.train.algorithms import resolve_estimator
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +97,7 @@ class RolloutExecutor:
             max_new_tokens=config.rollout.max_new_tokens,
             stop_token_ids=self.client.stop_token_ids,
         )
-        self.advantage_estimator = resolve_algorithm("advantage_estimator", config.algo.advantage_estimator)
+        self.estimator = resolve_estimator(config.algo)
         self.prompt_order = PromptOrder(config.rollout.rollout_batch_size, data_source.position)
 
     def generate(self, rollout_id: int) -> dict[str, float]:
@@ -181,7 +187,7 @@ class RolloutExecutor:
         greedy = [
             RolloutSample(row=row, seed=seed + k * n, sampling=greedy_sampling, adapter=self.adapter)
             for k, row in enumerate(rows)
-            if self.config.algo.greedy_baseline
+            if self.estimator.needs_greedy_baseline
         ]
         self.client.context = f"rollout {rollout_id}"
         records = self.generate_fn(self.client, samples + greedy)
@@ -199,43 +205,29 @@ class RolloutExecutor:
         )
 
     def _differing_groups(self, table: pa.Table) -> int:
-        scores, groups = self._scores(_without_failed(table)[0])
-        return len(np.unique(groups[~equal_score_groups(scores, torch.from_numpy(groups)).numpy()]))
+        table, _ = without_failed(table)
+        handover = Handover.of(table, 0, self._scores(table))
+        return handover.group_count(~handover.equal_score_rows())
 
-    def _scores(self, table: pa.Table) -> tuple[torch.Tensor, np.ndarray]:
-        """Each sample's score (its reward, less the overlong penalty when algo.overlong_buffer_len is set, in
-        float64) and its group; the table holds no failed sample."""
-        scores = torch.from_numpy(table.column("raw_reward").to_numpy().astype(np.float64))
+    def _scores(self, table: pa.Table) -> torch.Tensor:
         algo = self.config.algo
-        if algo.overlong_buffer_len is not None:
-            lengths = torch.from_numpy(table.column("response_length").to_numpy().copy())
-            scores = scores + overlong_penalty(
-                lengths, self.config.rollout.max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty
-            )
-        return scores, table.column("group_index").to_numpy().copy()  # writable: torch shares it
+        return shaped_scores(table, self.config.rollout.max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty)
 
     def get(self, rollout_id: int, trainer_version: int) -> tuple[pa.Table, dict[str, float]]:
-        """The stored rollout, ready to train: stale groups dropped, advantages from the run's estimator. Failed
-        samples are left out first, so a group's baseline is over the rest of it. Every other sample is trained on
-        (the last optimizer step takes what is left of a global batch), except that the trainer's workers take equal
-        shares: the fewest samples that make the count a multiple of train.num_workers go, as whole groups
-        (`uneven_groups`). With algo.dynamic_sampling, groups whose scores are all equal are left out too (and rollout_batch_size
-        groups kept at most), unless fewer than global_batch_size samples would remain: then just enough of them stay.
-        Also returns the handover's counts (staleness, dropped and filtered groups, failed samples)."""
-        table, failed_samples = _without_failed(self.store.read(rollout_id))
-        groups = table.column("group_index").to_numpy()
-        staleness = trainer_version - table.column("weight_version").to_numpy()
+        """The stored rollout, ready to train (miles.rollout.handover): failed samples out first, so that a group's
+        baseline is over the rest of it; groups staler than rollout.max_weight_staleness out; with
+        algo.dynamic_sampling, groups whose scores are all equal out (and rollout_batch_size groups kept at most),
+        unless fewer than global_batch_size samples would remain: then just enough of them stay; the fewest samples,
+        as whole groups, that keep the trainer's workers from equal shares out (`uneven_groups`); then the advantages
+        of what is left, from the run's estimator. Every other sample is trained on (the last optimizer step takes
+        what is left of a global batch). Also returns the handover's counts (staleness, dropped and filtered groups,
+        failed samples)."""
+        table, failed_samples = without_failed(self.store.read(rollout_id))
+        handover = Handover.of(table, trainer_version, self._scores(table))
         bound = self.config.rollout.max_weight_staleness
-        dropped_groups = dropped_samples = 0
-        if bound is not None:  # a group goes when any token of it is staler than the bound
-            stale_groups = np.unique(groups[staleness > bound])
-            dropped_groups = len(stale_groups)
-            if dropped_groups:
-                keep_rows = ~np.isin(groups, stale_groups)
-                dropped_samples = int((~keep_rows).sum())
-                table, staleness = table.filter(pa.array(keep_rows)), staleness[keep_rows]
+        handover, dropped_groups = without_stale_groups(handover, bound)
         gbs = self.config.train.global_batch_size
-        if table.num_rows < gbs:
+        if handover.table.num_rows < gbs:
             removals = []
             if failed_samples:
                 removals.append(f"excluding {failed_samples} failed samples")
@@ -243,70 +235,37 @@ class RolloutExecutor:
                 removals.append(f"dropping {dropped_groups} groups staler than rollout.max_weight_staleness={bound}")
             why = f"after {' and '.join(removals)} " if removals else ""
             raise ValueError(
-                f"rollout {rollout_id} has {table.num_rows} samples {why}(trainer at weight version {trainer_version}), "
-                f"fewer than train.global_batch_size ({gbs})"
+                f"rollout {rollout_id} has {handover.table.num_rows} samples {why}(trainer at weight version "
+                f"{trainer_version}), fewer than train.global_batch_size ({gbs})"
             )
-        scores, groups = self._scores(table)
-        equal = equal_score_groups(scores, torch.from_numpy(groups)).numpy()
+        dropped_samples = table.num_rows - handover.table.num_rows
         filtered_groups = 0
         if self.config.algo.dynamic_sampling:
-            keep_groups = self._dynamic_sampling_groups(groups, equal)
-            keep_rows = np.isin(groups, keep_groups)
-            filtered_groups = len(np.unique(groups[equal & ~keep_rows]))
-            table, staleness = table.filter(pa.array(keep_rows)), staleness[keep_rows]
-            scores, groups, equal = scores[torch.from_numpy(keep_rows)], groups[keep_rows], equal[keep_rows]
-        if self.config.algo.uses_critic:
-            advantages = torch.zeros_like(scores)  # per token, after the workers' shares are known (below)
-        elif self.config.algo.greedy_baseline:
-            baselines = table.column("baseline_reward").to_numpy(zero_copy_only=False).astype(np.float64)
-            advantages = self.advantage_estimator(scores, torch.from_numpy(baselines))
-        else:
-            advantages = self.advantage_estimator(
-                scores, torch.from_numpy(groups), torch.from_numpy(trained_tokens(table))
-            )
-        if advantages.shape != scores.shape:
-            raise ValueError(
-                f"algo.advantage_estimator {self.config.algo.advantage_estimator!r} returned shape "
-                f"{tuple(advantages.shape)} for {len(scores)} samples"
-            )
-        table = table.set_column(
-            table.schema.get_field_index("advantage"),
-            ROLLOUT_SCHEMA.field("advantage"),
-            pa.array(advantages.numpy().astype(np.float32)),
-        )
-        workers = self.config.train.num_workers
-        if self.config.algo.uses_critic:
-            workers = math.lcm(workers, self.config.critic.num_workers)
-        uneven = uneven_groups(groups, workers)
-        keep_rows = ~np.isin(groups, uneven)
-        table, staleness, groups, equal = (
-            table.filter(pa.array(keep_rows)),
-            staleness[keep_rows],
-            groups[keep_rows],
-            equal[keep_rows],
-        )
-        if self.config.algo.uses_critic:
-            table = self._with_gae(rollout_id, table, scores[torch.from_numpy(keep_rows)])
+            handover, filtered_groups = dynamic_sampling(handover, self.config.rollout.rollout_batch_size, gbs)
+        balanced, uneven = split_evenly(handover, self._workers())
+        values = self._critic_values(rollout_id, balanced.table) if self.estimator.needs_critic else None
         stats = {
-            "staleness_mean": float(staleness.mean()),
-            **_token_staleness(table, trainer_version),
+            "staleness_mean": float(balanced.staleness.mean()),
+            **_token_staleness(balanced.table, trainer_version),
             "dropped_groups": dropped_groups,
             "dropped_samples": dropped_samples,
             "failed_samples": failed_samples,
             "filtered_groups": filtered_groups,
-            "uneven_groups": len(uneven),
-            "uneven_samples": int((~keep_rows).sum()),
+            "uneven_groups": uneven,
+            "uneven_samples": handover.table.num_rows - balanced.table.num_rows,
             # groups trained on whose scores are all equal: no signal under a group baseline
-            "zero_advantage_groups": len(np.unique(groups[equal])),
+            "zero_advantage_groups": balanced.group_count(balanced.equal_score_rows()),
         }
-        return table, stats
+        return with_advantages(balanced, self.estimator, values), stats
 
-    def _with_gae(self, rollout_id: int, table: pa.Table, scores: torch.Tensor) -> pa.Table:
-        """The rollout with PPO's advantages: GAE (miles.train.algorithms.value) over each sample's trained tokens,
-        on the critic's stored values and the per-token rewards (a sample's `token_rewards` where it has them, the
-        rest of its score, e.g. the overlong penalty, at its last trained token), whitened over the rollout's trained
-        tokens (as verl does); the columns `token_advantages`, `values` and `returns` (the critic's targets), and as
-        the sample's `advantage` that of its first trained token."""
+    def _workers(self) -> int:
+        """The workers that split each rollout evenly: the policy's trainer ranks, and the critic's with one."""
+        if self.estimator.needs_critic:
+            return math.lcm(self.config.train.num_workers, self.config.critic.num_workers)
+        return self.config.train.num_workers
+
+    def _critic_values(self, rollout_id: int, table: pa.Table) -> pa.ListArray:
+        """The critic's stored values of each sample's response tokens, row for row (compute_values stored them)."""
         stored = self.store.read_values(rollout_id)
         if stored is None:
             raise RuntimeError(
@@ -322,48 +281,7 @@ class RolloutExecutor:
         lengths = table.column("response_length").to_numpy().astype(np.int64)
         if not np.array_equal(np.diff(values.offsets.to_numpy()), lengths):
             raise ValueError(f"{self.store.values_path(rollout_id)}: a sample's values do not match its response")
-        width = int(lengths.max()) if len(lengths) else 0
-        mask, value_grid, rewards = (
-            torch.from_numpy(list_grid(column, width))
-            for column in (table.column("loss_mask"), values, table.column("token_rewards"))
-        )
-        columns = torch.arange(width).expand_as(mask)
-        last_trained = torch.where(mask > 0, columns, -1).max(dim=1).values
-        scored = last_trained >= 0
-        rest = scores - rewards.sum(dim=1)
-        rewards[scored, last_trained[scored]] += rest[scored]
-        algo = self.config.algo
-        advantages, returns = gae(rewards, value_grid, mask, algo.gamma, algo.lam)
-        advantages = whiten(advantages, mask)
-        first_trained = torch.where(mask > 0, columns, width).min(dim=1).values.clamp(max=max(width - 1, 0))
-        per_sample = advantages.gather(1, first_trained.unsqueeze(1)).squeeze(1) if width else advantages[:, 0]
-        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        within = columns < torch.from_numpy(lengths).unsqueeze(1)  # each row's response tokens, in row order
-
-        def as_lists(grid: torch.Tensor) -> pa.ListArray:
-            return pa.ListArray.from_arrays(offsets, pa.array(grid[within].numpy().astype(np.float32)))
-
-        table = table.set_column(
-            table.schema.get_field_index("advantage"),
-            ROLLOUT_SCHEMA.field("advantage"),
-            pa.array(per_sample.numpy().astype(np.float32)),
-        )
-        for name, grid in ((TOKEN_ADVANTAGES, advantages), (VALUES, value_grid), (RETURNS, returns)):
-            table = table.append_column(pa.field(name, pa.list_(pa.float32())), as_lists(grid))
-        return table
-
-    def _dynamic_sampling_groups(self, groups: np.ndarray, equal: np.ndarray) -> np.ndarray:
-        """The groups dynamic sampling keeps: the first rollout_batch_size with differing scores, topped up with
-        equal-score groups (in order) only as far as one global batch needs."""
-        ids, first_row, sizes = np.unique(groups, return_index=True, return_counts=True)
-        differing = ~equal[first_row]
-        kept = ids[differing][: self.config.rollout.rollout_batch_size]
-        missing = self.config.train.global_batch_size - sizes[differing][: len(kept)].sum()
-        if missing > 0:
-            filler_sizes = sizes[~differing]
-            needed = int(np.searchsorted(np.cumsum(filler_sizes), missing)) + 1
-            kept = np.concatenate([kept, ids[~differing][:needed]])
-        return kept
+        return values
 
 
 class PromptOrder:
@@ -400,31 +318,6 @@ def _check_records(records, expected: int, generate_fn: str | None) -> None:
         raise ValueError(f"{name}: record {wrong} is {clip(repr(records[wrong]))}, not a SampleRecord")
 
 
-def uneven_groups(groups: np.ndarray, workers: int) -> np.ndarray:
-    """The groups to leave out so that the samples left split evenly over `workers`: the fewest samples, in whole
-    groups (a subset-sum over the remainders; the later groups go first among equals)."""
-    ids, sizes = np.unique(groups, return_counts=True)
-    excess = int(sizes.sum()) % workers
-    if not excess:
-        return ids[:0]
-    # best[r]: (samples, groups) of the smallest set of groups whose size is r modulo `workers`
-    best: dict[int, tuple[int, tuple[int, ...]]] = {0: (0, ())}
-    for group, size in reversed(list(zip(ids.tolist(), sizes.tolist(), strict=True))):
-        for remainder, (total, chosen) in list(best.items()):
-            key = (remainder + size) % workers
-            if key not in best or total + size < best[key][0]:
-                best[key] = (total + size, (*chosen, group))
-    return np.array(sorted(best[excess][1]), dtype=groups.dtype)
-
-
-def trained_tokens(table: pa.Table) -> np.ndarray:
-    """Each sample's trained tokens (the ones of its loss mask), float64."""
-    masks = table.column("loss_mask").combine_chunks()
-    running = np.concatenate([[0.0], np.cumsum(masks.values.to_numpy(zero_copy_only=False), dtype=np.float64)])
-    offsets = masks.offsets.to_numpy()
-    return running[offsets[1:]] - running[offsets[:-1]]
-
-
 def _token_staleness(table: pa.Table, trainer_version: int) -> dict[str, float]:
     """Over the tokens trained on: how many versions each is behind the trainer, on average and at most; and the
     samples whose tokens come from more than one version (a push came while they were generated)."""
@@ -441,15 +334,6 @@ def _token_staleness(table: pa.Table, trainer_version: int) -> dict[str, float]:
         "token_staleness_max": int(behind.max()) if len(behind) else 0,
         "mixed_version_samples": int((newest != oldest).sum()),
     }
-
-
-def _without_failed(table: pa.Table) -> tuple[pa.Table, int]:
-    """The table without its failed samples, and how many there were."""
-    failed = pc.equal(table.column("status").cast(pa.string()), "failed")
-    count = pc.sum(failed).as_py() or 0
-    if count:  # a filter copies every column: only when there is something to leave out
-        table = table.filter(pc.invert(failed))
-    return table, count
 
 
 def summarize(table: pa.Table) -> dict[str, float]:

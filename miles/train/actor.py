@@ -28,6 +28,7 @@ from miles.placement import torch_device
 from miles.run_dir import RunDir
 from miles.seeds import train_seed
 from miles.tensor_payload import serialize_bucket
+from miles.train.algorithms import resolve_estimator
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, join_trainer_group, shard_model
 from miles.train.update import batch_logprobs, set_lr, train_on_rollout, with_kl_reward_coef
 from miles.weight_check import WeightProbe, take_probe
@@ -118,7 +119,7 @@ class TrainActor:
             return self.trained[rollout_id]
         torch.manual_seed(train_seed(self.config.seed, rollout_id, self.rank))
         config = with_kl_reward_coef(self.config.at(rollout_id), self.trained, rollout_id)
-        if config.algo.uses_critic and rollout_id < config.critic.warmup_rollouts:
+        if rollout_id < config.critic.warmup_rollouts and resolve_estimator(config.algo).needs_critic:
             self.trained[rollout_id] = {"critic_warmup": 1.0}  # the policy waits for a critic worth its advantages
             return self.trained[rollout_id]
         set_lr(self.optimizer, config.train.lr)

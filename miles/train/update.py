@@ -77,14 +77,14 @@ def token_advantages(
 
     With `algo.kl_in_reward` every token also earns the reward -kl_reward_coef * KL_t (old policy vs reference), and
     its advantage gains that penalty's return to go, sum over t' >= t of (gamma lam)^(t'-t) -kl_reward_coef KL_t'
-    (gamma = lam = 1 without a critic: the REINFORCE return of a per-token reward, as in Ouyang et al. 2022,
+    (the estimator's discount: gamma = lam = 1 without a critic, the REINFORCE return of a per-token reward, as in Ouyang et al. 2022,
     arXiv:2203.02155, eq. 2, and REINFORCE++). GAE is linear in the rewards, so with a critic this is the penalty's
     part of GAE, with no baseline: the critic learns the outcome reward's value."""
     per_token = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand_as(mask)
     if not algo.kl_in_reward:
         return per_token, None
     penalty = algorithm.kl_estimator(old_logprobs, ref_logprobs).detach() * mask
-    gamma, lam = (algo.gamma, algo.lam) if algo.uses_critic else (1.0, 1.0)
+    gamma, lam = algorithm.advantage_estimator.discount
     penalty_to_go, _ = gae(penalty, torch.zeros_like(penalty), mask, gamma, lam)
     return per_token - algo.kl_reward_coef * penalty_to_go, penalty
 

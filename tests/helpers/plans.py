@@ -16,6 +16,7 @@ def main() -> None:
     from miles.cluster import ensure_ray
     from miles.config import load_config
     from miles.placement import plan_placement, simulated_cluster
+    from miles.train.algorithms import resolve_estimator
 
     cases = json.load(sys.stdin)
     results: list = [None] * len(cases)
@@ -27,7 +28,8 @@ def main() -> None:
                 for index, case in group:
                     config = load_config(case["config"], case["overrides"])
                     try:
-                        results[index] = {"record": plan_placement(config).record()}
+                        critic = resolve_estimator(config.algo).needs_critic
+                        results[index] = {"record": plan_placement(config, critic).record()}
                     except (ValueError, RuntimeError) as exc:
                         results[index] = {"refused": str(exc)}
             finally:

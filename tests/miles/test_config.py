@@ -17,6 +17,7 @@ from miles.config import (
     load_config,
 )
 from miles.config.base import changes_freely
+from miles.placement import ray_actors
 
 
 def test_defaults_validate():
@@ -175,18 +176,6 @@ def test_a_micro_batch_size_need_not_divide_the_global_batch():
             "train.param_dtype=bfloat16 is FSDP2's mixed precision",
         ),
         (["train.num_workers=3"], "train.num_workers (3) must divide train.global_batch_size (256)"),
-        (
-            ["algo.advantage_estimator=gae", "critic.num_workers=3"],
-            "critic.num_workers (3) must divide train.global_batch_size (256)",
-        ),
-        (
-            ["algo.advantage_estimator=gae", "critic.num_workers=2", "train.sharding=none"],
-            "critic.num_workers=2 needs train.sharding fsdp or unset",
-        ),
-        (
-            ["algo.advantage_estimator=gae", "adapters=[{name: a}]"],
-            "algo.advantage_estimator=gae trains a critic of the full model; adapters have none",
-        ),
     ],
 )
 def test_trainer_parallelism_that_cannot_run_is_named(overrides, expected):
@@ -402,11 +391,11 @@ def test_the_critic_is_a_trainer_group_of_its_own_with_the_policy_trainers_setti
     config = load_config(
         None, ["algo.advantage_estimator=gae", "critic.num_workers=2", "train.num_workers=1"], run_dir=str(tmp_path)
     )
-    assert config.ray_actors == config.rollout.num_engines + 1 + 2
+    assert ray_actors(config, critic=True) == config.rollout.num_engines + 1 + 2
     view = config.critic_view()
     assert (view.train.num_workers, view.train.lr, view.train.sharded) == (2, config.critic.lr, True)
     assert view.run_dir == str(tmp_path / "critic") and view.train.global_batch_size == config.train.global_batch_size
-    assert load_config(None).ray_actors == load_config(None).rollout.num_engines + 1  # no critic without gae
+    assert ray_actors(config, critic=False) == config.rollout.num_engines + 1
     assert (load_config(None).critic.lr, load_config(None, ["data.task=null", "data.path=p.jsonl"]).critic.lr) == (
         2e-3,
         1e-5,

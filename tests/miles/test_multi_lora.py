@@ -4,6 +4,7 @@ import pytest
 
 from miles.config import ConfigError, load_config
 from miles.multi_lora import check_adapter_inputs, resolve_adapters
+from miles.placement import ray_actors
 
 
 def test_embedded_model_defaults_to_one_adapter_per_built_in_task():
@@ -37,7 +38,7 @@ def test_each_adapter_gets_its_rows_and_reward(tmp_path, tiny_model_dir):
         run_dir=str(tmp_path / "run"),
     )
     checked = check_adapter_inputs(config)
-    view, rows, reward, eval_sets = checked["mine"]
+    view, rows, reward, eval_sets, _ = checked["mine"]
     assert rows == [{"prompt": "1+1=", "label": "2", "row": 1}, {"prompt": "2+2=", "label": "4", "row": 2}]
     assert reward("24", "24", True) == 1.0 and view.data.reward == "digit_match"
     assert eval_sets == []  # a data set from a path has no default evaluation
@@ -67,6 +68,11 @@ def test_an_adapter_whose_batch_does_not_split_over_the_workers_is_refused_by_na
         check_adapter_inputs(config)
 
 
+def test_an_estimator_that_needs_a_critic_is_refused_by_the_multi_lora_flow():
+    with pytest.raises(ConfigError, match="algo.advantage_estimator=gae trains a critic of the full model; adapters"):
+        check_adapter_inputs(load_config(None, ["algo.advantage_estimator=gae", "adapters=[{name: a}]"]))
+
+
 def test_adapters_name_their_trainer_groups_and_each_group_gets_its_workers():
     config = load_config(
         None,
@@ -78,4 +84,4 @@ def test_adapters_name_their_trainer_groups_and_each_group_gets_its_workers():
         ],
     )
     assert [a.trainer_group for a in config.adapters] == ["main", "second", "second"]
-    assert config.ray_actors == 1 + 2 * 2
+    assert ray_actors(config, critic=False) == 1 + 2 * 2

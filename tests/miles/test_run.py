@@ -388,3 +388,17 @@ def test_top_p_below_one_is_warned_about(caplog):
         assert not caplog.records
         check_inputs(load_config(None, ["rollout.top_p=0.9"]))
     assert "rollout.top_p=0.9" in caplog.text and "truncat" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["critic.num_workers=3"], r"critic.num_workers \(3\) must divide train.global_batch_size \(256\)"),
+        (["critic.num_workers=2", "train.sharding=none"], "critic.num_workers=2 needs train.sharding fsdp or unset"),
+    ],
+)
+def test_a_critic_group_that_cannot_run_is_refused_when_the_estimator_needs_one(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        check_inputs(load_config(None, ["algo.advantage_estimator=gae", *overrides]))
+    # GRPO trains no critic: its section is not asked to fit
+    assert not check_inputs(load_config(None, overrides)).algorithm.needs_critic

@@ -11,18 +11,13 @@ from miles.config import RolloutConfig, load_config
 from miles.data import DataSource
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.rewards import exact_match, resolve_reward
+from miles.rollout.handover import uneven_groups
 from miles.rollout.inference_controller import InferenceController
-from miles.rollout.rollout_executor import (
-    PromptOrder,
-    RolloutExecutor,
-    scorer_identity,
-    trained_tokens,
-    uneven_groups,
-)
+from miles.rollout.rollout_executor import PromptOrder, RolloutExecutor, scorer_identity
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.rollout.store import DamagedRollout, RolloutStore
 from miles.run_dir import RunDir
-from miles.train.algorithms.advantages import remax
+from miles.train.algorithms.estimators import ReMax, trained_tokens
 from tests.helpers.samples import rollout_table
 
 
@@ -622,7 +617,7 @@ def test_remax_generates_a_greedy_response_per_prompt_whose_reward_is_its_sample
     executor.config = executor.client.config = executor.config.model_copy(
         update={"algo": executor.config.algo.model_copy(update={"advantage_estimator": "remax"})}
     )
-    executor.advantage_estimator = remax
+    executor.estimator = ReMax()
     executor.generate(0)
     table = store.read(0)
 

@@ -13,7 +13,9 @@ from miles.train.algorithms import (
     kl,
     policy_losses,
     resolve_algorithm,
+    resolve_estimator,
 )
+from miles.train.algorithms.estimators import AdvantageEstimator
 
 KINDS = ["advantage_estimator", "policy_loss", "kl_estimator", "loss_aggregation"]
 USER_PATH = "tests.miles.train.algorithms.test_registry:some_fn"
@@ -131,10 +133,43 @@ def test_unimportable_path_names_the_field(spec, reason):
 def test_algorithm_from_config():
     algo = AlgoConfig(advantage_estimator="rloo", policy_loss="cispo", kl_estimator="low_var_kl")
     built = Algorithm.from_config(algo)
-    assert built.advantage_estimator is advantages.rloo
+    assert built.advantage_estimator.fn is advantages.rloo
     assert built.policy_loss is policy_losses.cispo
     assert built.kl_estimator is kl.k3
     assert built.loss_aggregation is aggregation.token_mean
+
+
+class CriticBaseline(AdvantageEstimator):
+    """A user's estimator that needs a critic, named by import path."""
+
+    needs_critic = True
+
+    def __init__(self, gamma: float):
+        self.discount = (gamma, 1.0)
+
+    @classmethod
+    def from_algo(cls, algo) -> CriticBaseline:
+        return cls(algo.gamma)
+
+
+@pytest.mark.parametrize(
+    ("name", "needs_critic", "needs_greedy_baseline", "discount"),
+    [
+        ("grpo", False, False, (1.0, 1.0)),
+        ("opo", False, False, (1.0, 1.0)),
+        ("remax", False, True, (1.0, 1.0)),
+        ("gae", True, False, (0.9, 0.8)),
+        ("tests.miles.train.algorithms.test_registry:CriticBaseline", True, False, (0.9, 1.0)),
+        ("tests.miles.train.algorithms.test_registry:some_fn", False, False, (1.0, 1.0)),
+    ],
+)
+def test_each_estimator_declares_what_it_needs(name, needs_critic, needs_greedy_baseline, discount):
+    estimator = resolve_estimator(AlgoConfig(advantage_estimator=name, gamma=0.9, lam=0.8))
+    assert (estimator.needs_critic, estimator.needs_greedy_baseline, estimator.discount) == (
+        needs_critic,
+        needs_greedy_baseline,
+        discount,
+    )
 
 
 def test_algorithm_from_config_uses_the_method_aggregation():
