@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         config = base.model_copy(update={"run_dir": f"{base.run_dir}-{name}"})
         option = name.replace("-", "_")
         deployments.append(
-            rl_flow.load().to_deployment(
+            rl_flow.to_deployment(
                 name="tiny",
                 parameters={"config": config.model_dump(mode="json")},
                 interval=getattr(args, f"{option}_interval"),

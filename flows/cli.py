@@ -6,7 +6,6 @@ import argparse
 import getpass
 import sys
 
-from flows.registry import FLOWS
 from miles.config import MID_RUN_FIELDS
 
 
@@ -14,7 +13,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles", description="RL post-training as Prefect flows.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run an RL flow")
-    run.add_argument("flow", choices=list(FLOWS), help="which flow graph")
+    run.add_argument("flow", help="which flow graph (miles.graphs; an unknown name lists them)")
     run.add_argument("--config", help="YAML config file (default: the embedded tiny model on addition)")
     run.add_argument("--run-dir", help="run directory (an existing one resumes)")
     run.add_argument("--num-rollout", type=int, help="total rollouts of the run")
@@ -255,8 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args)
     from miles.config import ConfigError, load_config
+    from miles.graphs import GRAPHS
 
-    rl_flow = FLOWS[args.flow]
+    if args.flow not in GRAPHS:
+        print(f"error: no flow graph {args.flow!r}; choose from {', '.join(GRAPHS)}", file=sys.stderr)
+        return 2
     try:
         config = load_config(
             args.config,
@@ -265,17 +267,18 @@ def main(argv: list[str] | None = None) -> int:
             num_rollout=args.num_rollout,
             accept_config_change=args.accept_config_change or None,
         )
-        rl_flow.check(config)
+        GRAPHS[args.flow].check(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    from flows.registry import FLOWS
     from flows.runtime import configure_prefect, quiet_config_errors, start_ephemeral_api
 
     configure_prefect()
     start_ephemeral_api()
     with quiet_config_errors():
-        state = rl_flow.load()(config, return_state=True)
+        state = FLOWS[args.flow](config, return_state=True)
     if not state.is_completed():
         error = state.result(raise_on_failure=False) if state.is_failed() else None
         if isinstance(error, ConfigError):  # found once the run had started: the traceback is in the flow run's log

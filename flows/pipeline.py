@@ -40,7 +40,7 @@ class Approval(RunInput):
 @flow(name="rl-pipeline")
 def rl_pipeline(config: RunConfig, promote_to: str, flow: str = "sync") -> dict:
     check_deployment_run(config)
-    training = FLOWS[flow].load()(config, return_state=True)
+    training = FLOWS[flow](config, return_state=True)
     if not training.is_completed():
         raise RuntimeError(f"training ended {training.name}: {training.message}")
     run_dir = RunDir(Path(config.run_dir).resolve())

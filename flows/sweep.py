@@ -45,7 +45,7 @@ def rl_sweep(
     for variant in configs.values():
         check_deployment_run(variant)
     if deployment is None:
-        ends = {name: FLOWS[flow].load()(variant, return_state=True).name for name, variant in configs.items()}
+        ends = {name: FLOWS[flow](variant, return_state=True).name for name, variant in configs.items()}
     else:
         submitted = {
             name: run_deployment(deployment, parameters={"config": variant.model_dump(mode="json")}, timeout=0).id

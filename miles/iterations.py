@@ -326,3 +326,40 @@ class Iterations:
         """Close the trackers, and stop what the rewards started (a judge's engines, a reward model's actor)."""
         self.trackers.close()
         close_rewards(self.executor.client.scorer.reward, *(s.reward for s in self.evaluation.sets))
+
+
+class PolicyRun:
+    """What a run that trains one policy (RLRun, AdapterRun) hands on to its Iterations, written once: the schedules
+    ask these of either."""
+
+    iterations: Iterations
+    reporter: Any  # shows each finished iteration (miles.progress)
+
+    def rollout_ids(self) -> range:
+        return self.iterations.rollout_ids()
+
+    def generate(self, rollout_id: int) -> dict[str, Any]:
+        return self.iterations.generate(rollout_id)
+
+    def get(self, rollout_id: int) -> pa.Table:
+        return self.iterations.get(rollout_id)
+
+    def should_sync(self, rollout_id: int) -> bool:
+        return self.iterations.should_sync(rollout_id)
+
+    def should_save(self, rollout_id: int) -> bool:
+        return self.iterations.should_save(rollout_id)
+
+    def should_evaluate(self, rollout_id: int) -> bool:
+        return self.iterations.should_evaluate(rollout_id)
+
+    def evaluate(self, rollout_id: int) -> list[dict[str, Any]]:
+        """Evaluate the weights the engines hold (version rollout_id, once its push is done) on the policy's eval
+        data sets."""
+        return self.iterations.evaluate(rollout_id)
+
+    def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
+        """Append the iteration's record to the policy's metrics.jsonl (once per rollout_id) and show it."""
+        record = self.iterations.finish_iteration(rollout_id)
+        self.reporter.update_record(record)
+        return record

@@ -1,4 +1,4 @@
-"""The RL loops in plain Python: each flow graph's schedule (miles.schedules) over steps that call the run here,
+"""The RL loops in plain Python: each flow graph's schedule (miles.graphs) over steps that call the run here,
 without Prefect. A submitted step runs on a thread of this process, as a Prefect task runs on the flow's."""
 
 from __future__ import annotations
@@ -8,10 +8,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from miles import schedules
 from miles.config import RunConfig
-from miles.multi_lora import MultiLoRARun
-from miles.run import RLRun, check_fully_async, check_off_policy_correction
+from miles.graphs import GRAPHS
 from miles.schedules import Steps
 
 # Threads for submitted steps: a chain waiting on its upstream holds one, as a Prefect task runner's worker does.
@@ -54,28 +52,33 @@ def plain_steps() -> Iterator[Steps]:
         )
 
 
+def run_graph(name: str, config: RunConfig) -> list[dict[str, Any]]:
+    """A single-policy graph (sync, async, fully-async) over the plain steps: each iteration's record."""
+    graph = GRAPHS[name]
+    graph.check_graph(config)
+    with graph.run(config) as run, plain_steps() as steps:
+        return [run.finish_iteration(rollout_id) for rollout_id in graph.schedule(run, steps)]
+
+
 def run_sync(config: RunConfig) -> list[dict[str, Any]]:
-    with RLRun(config) as run, plain_steps() as steps:
-        return [run.finish_iteration(rollout_id) for rollout_id in schedules.sync(run, steps)]
+    return run_graph("sync", config)
 
 
 def run_async(config: RunConfig) -> list[dict[str, Any]]:
-    check_off_policy_correction(config)
-    with RLRun(config) as run, plain_steps() as steps:
-        return [run.finish_iteration(rollout_id) for rollout_id in schedules.one_step_off_policy(run, steps)]
+    return run_graph("async", config)
 
 
 def run_fully_async(config: RunConfig) -> list[dict[str, Any]]:
-    check_fully_async(config)
-    with RLRun(config) as run, plain_steps() as steps:
-        return [run.finish_iteration(rollout_id) for rollout_id in schedules.fully_async(run, steps)]
+    return run_graph("fully-async", config)
 
 
 def run_multi_lora(config: RunConfig) -> dict[str, list[dict[str, Any]]]:
     """Every adapter's records of this run; AdaptersFailed at the end when an adapter's branch failed."""
-    with MultiLoRARun(config) as run, plain_steps() as steps:
+    graph = GRAPHS["multi-lora"]
+    graph.check_graph(config)
+    with graph.run(config) as run, plain_steps() as steps:
         records: dict[str, list[dict[str, Any]]] = {}
-        for adapter, rollout_id in schedules.multi_lora(run, steps):
+        for adapter, rollout_id in graph.schedule(run, steps):
             records.setdefault(adapter.name, []).append(adapter.finish_iteration(rollout_id))
         run.check_failures()
         return records

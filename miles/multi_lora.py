@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 from miles.cluster import ActorGroup, RestartableActor, actor_error, ensure_ray, first_line
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
-from miles.iterations import Iterations, PolicyInputs
+from miles.iterations import Iterations, PolicyInputs, PolicyRun
 from miles.placement import ray_actors
 from miles.preflight import check_start
 from miles.progress import AdapterReporter, ProgressLine
@@ -204,7 +204,7 @@ class AdaptersFailed(RuntimeError):
     """Adapters whose branch failed (recorded in <run_dir>/tenants/); the others went on to their end."""
 
 
-class AdapterRun:
+class AdapterRun(PolicyRun):
     """One adapter of the multi-LoRA run: the same calls as RLRun, with push_adapter for sync_weights and retire
     after its last rollout. It shares the engines with the other adapters, and its trainer group with those
     assigned to the same group."""
@@ -255,15 +255,6 @@ class AdapterRun:
             to=lambda weights: self.controller.load_adapter(self.name, weights, self.lora_config, version),
         )
 
-    def rollout_ids(self) -> range:
-        return self.iterations.rollout_ids()
-
-    def generate(self, rollout_id: int) -> dict[str, Any]:
-        return self.iterations.generate(rollout_id)
-
-    def get(self, rollout_id: int) -> pa.Table:
-        return self.iterations.get(rollout_id)
-
     def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
         return self.iterations.train(
             rollout_id, lambda: self.trainer.call(LoRATrainActor.train, self.name, rollout_id, table)
@@ -273,18 +264,12 @@ class AdapterRun:
         """The adapter's final rollout: after it the adapter retires."""
         return self.iterations.slice.ends_run(rollout_id)
 
-    def should_push(self, rollout_id: int) -> bool:
-        return self.iterations.should_sync(rollout_id)
-
     def push_adapter(self, rollout_id: int) -> int:
         """Load the adapter trained on `rollout_id` (the trainer's version of it) into every engine; others untouched."""
         version = self.iterations.trainer_version
         with self.iterations.timed(rollout_id, "sync"):
             self._push(version)
         return version
-
-    def should_save(self, rollout_id: int) -> bool:
-        return self.iterations.should_save(rollout_id)
 
     def save_checkpoint(self, rollout_id: int) -> str:
         return self.trainer.call(
@@ -296,19 +281,6 @@ class AdapterRun:
         self.controller.unload_adapter(self.name)
         self.trainer.call(LoRATrainActor.remove_adapter, self.name)
         self.retired = True
-
-    def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
-        """Append the iteration's record to the adapter's metrics.jsonl (once per rollout_id) and show it."""
-        record = self.iterations.finish_iteration(rollout_id)
-        self.reporter.update_record(record)
-        return record
-
-    def should_evaluate(self, rollout_id: int) -> bool:
-        return self.iterations.should_evaluate(rollout_id)
-
-    def evaluate(self, rollout_id: int) -> list[dict[str, Any]]:
-        """Evaluate the adapter the engines hold (version rollout_id) on its eval data sets."""
-        return self.iterations.evaluate(rollout_id)
 
 
 class MultiLoRARun:

@@ -22,7 +22,7 @@ from miles.config import ConfigChange, ConfigError, RunConfig, recorded_changes
 from miles.data import check_prompt_tokens, load_rows
 from miles.data.prompts import PromptFormatter
 from miles.evaluate import load_eval_sets
-from miles.iterations import Iterations, PolicyInputs
+from miles.iterations import Iterations, PolicyInputs, PolicyRun
 from miles.memory_budget import ModelShape, resident_bytes, trainer_parts
 from miles.models import build_tokenizer, ensure_embedded_model
 from miles.models.tiny import tool_tokens
@@ -164,7 +164,7 @@ def check_fully_async(config: RunConfig) -> None:
         )
 
 
-class RLRun:
+class RLRun(PolicyRun):
     """Full-model RL: a trainer group (train.num_workers TrainActors), engines that take full weight pushes.
 
     A trainer worker that dies takes its group down; the group is started again on the next call (the task's
@@ -329,9 +329,6 @@ class RLRun:
     def _weight_probe(self) -> WeightProbe:
         return self.trainer.call(TrainActor.weight_probe, self.served_dtype)
 
-    def rollout_ids(self) -> range:
-        return self.iterations.rollout_ids()
-
     def change_config(self, change: ConfigChange) -> None:
         """Apply `change` from its rollout on (one not yet generated), and record it in run.json for every later start."""
         config = self.config.with_changes([change])
@@ -361,12 +358,6 @@ class RLRun:
         version = self.iterations.trainer_version
         self.controller.start_again(str(self.run_dir.checkpoint(version - 1) / MODEL_DIR), version)
 
-    def generate(self, rollout_id: int) -> dict[str, Any]:
-        return self.iterations.generate(rollout_id)
-
-    def get(self, rollout_id: int) -> pa.Table:
-        return self.iterations.get(rollout_id)
-
     def train(self, rollout_id: int, table: pa.Table) -> dict[str, float]:
         return self.iterations.train(rollout_id, lambda: self.trainer.call(TrainActor.train, rollout_id, table))
 
@@ -389,9 +380,6 @@ class RLRun:
         self.iterations.add_metrics(rollout_id, metrics)
         return metrics
 
-    def should_sync(self, rollout_id: int) -> bool:
-        return self.iterations.should_sync(rollout_id)
-
     def release_engine_memory(self, rollout_id: int) -> None:
         """Colocated, before training on `rollout_id` with no generation until its push: the engines give their
         memory to the trainer beside them (their weights too when a push follows this rollout)."""
@@ -404,27 +392,11 @@ class RLRun:
             self._push_weights(version)
         return version
 
-    def should_save(self, rollout_id: int) -> bool:
-        return self.iterations.should_save(rollout_id)
-
     def save_checkpoint(self, rollout_id: int) -> str:
         """The policy's checkpoint of `rollout_id`, and the critic's (first, in its own directory) with one."""
         if self.algorithm.needs_critic:
             self.critic.call(CriticActor.save_checkpoint, rollout_id, {"seed": self.config.seed})
         return self.trainer.call(TrainActor.save_checkpoint, rollout_id, self.iterations.checkpoint_state(rollout_id))
-
-    def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
-        """Append the iteration's record to metrics.jsonl (once per rollout_id) and show it."""
-        record = self.iterations.finish_iteration(rollout_id)
-        self.reporter.update_record(record)
-        return record
-
-    def should_evaluate(self, rollout_id: int) -> bool:
-        return self.iterations.should_evaluate(rollout_id)
-
-    def evaluate(self, rollout_id: int) -> list[dict[str, Any]]:
-        """Evaluate the weights the engines hold (version rollout_id, once its push is done) on every eval data set."""
-        return self.iterations.evaluate(rollout_id)
 
     def close(self) -> None:
         self._resources.close()

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from miles.iterations import PolicyRun
 from miles.multi_lora import TENANT_POLL_S, AdapterRun, MultiLoRARun
 from miles.run import RLRun
 
@@ -24,9 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class Step(Protocol):
-    def __call__(self, run: Any, *args: Any, wait_for: list | None = None) -> Any: ...
+    def __call__(self, run: PolicyRun, *args: Any, wait_for: list | None = None) -> Any: ...
 
-    def submit(self, run: Any, *args: Any, wait_for: list | None = None) -> Any: ...
+    def submit(self, run: PolicyRun, *args: Any, wait_for: list | None = None) -> Any: ...
 
 
 class Control(Protocol):
@@ -106,7 +107,21 @@ def train(run: RLRun, steps: Steps, rollout_id: int, table: Any) -> None:
 
 
 def sync(run: RLRun, steps: Steps) -> Iterator[int]:
-    """rl-sync: the iterations one after another, then the evaluation of the final weights."""
+    """rl-sync: the iterations one after another, then the evaluation of the final weights.
+
+        for rollout_id in start .. num_rollout - 1:
+            evaluate(rollout_id)                # when due (eval.*): the weights that generate this rollout
+            generate(rollout_id)                # engines sample, reward scores, Arrow file in the run dir
+            compute_values(rollout_id)          # with a critic (the estimator needs one): its value of each token
+            table = get(rollout_id)             # pyarrow.Table with the estimator's advantages
+            train_step(rollout_id, table)       # the policy's optimizer steps, recorded in the ledger
+            train_critic(rollout_id, table)     # with a critic: its value-loss steps
+            sync_weights(rollout_id)            # engines get weights version rollout_id + 1 (every update_weights_interval)
+            save_checkpoint(rollout_id)         # every save_interval and at the end
+            at the boundary: pause or cancel when asked (the checkpoint saved first)
+        evaluate(num_rollout)                   # the final weights
+
+    A run directory that already holds checkpoints resumes after the latest one."""
     rollout_id = run.rollout_ids().start
     while rollout_id in run.rollout_ids():
         sync_iteration(run, steps, rollout_id)
@@ -133,14 +148,61 @@ def at_boundary(run: RLRun, steps: Steps, next_rollout_id: int) -> bool:
 
 
 def one_step_off_policy(run: RLRun, steps: Steps) -> Iterator[int]:
-    """rl-async: rollout i+1 is generated while the trainer trains on rollout i; a sync waits for the generation and
-    the evaluation in flight, so the engines never change weights in the middle of either."""
+    """rl-async: one step off-policy; rollout i+1 is generated while the trainer trains on rollout i.
+
+        evaluation = evaluate.submit(start)                           # when due (eval.*), beside the first generation
+        next_rollout = generate.submit(start)
+        for rollout_id in start .. num_rollout - 1:
+            compute_values(rollout_id, wait_for=[next_rollout])       # with a critic: its value of each token
+            table = get(rollout_id, wait_for=[next_rollout])          # rollout i is stored
+            next_rollout = generate.submit(rollout_id + 1)            # samples on the weights the engines have now
+            train_step(rollout_id, table)                             # meanwhile the trainer steps on rollout i
+            train_critic(rollout_id, table)                           # with a critic
+            sync_weights(rollout_id, wait_for=[next_rollout, evaluation])  # never change weights mid-generation/-evaluation
+            evaluation = evaluate.submit(rollout_id + 1)              # when due: weights version rollout_id + 1
+            save_checkpoint(rollout_id)                               # every save_interval and at the end
+            when asked to pause or cancel: no generation starts; the one in flight is trained first
+        wait for evaluation
+
+    Rollout i+1 comes from weights one version behind the trainer; the loss corrects with truncated importance
+    sampling (algo.use_tis) or the engine's log-probs as the old policy (algo.use_rollout_logprobs), and
+    rollout.max_weight_staleness bounds how stale a group may be. The last rollout has no next one to generate. An
+    evaluation shares the engines with the generation running beside it; the engines batch them together."""
     return _generating_ahead(run, steps, window=1, pushes_wait_for_generations=True)
 
 
 def fully_async(run: RLRun, steps: Steps) -> Iterator[int]:
-    """rl-fully-async: up to rollout.max_rollouts_in_flight generations run ahead of training, and weight pushes land
-    in the middle of them (only an evaluation is waited for, so that it sees one version of the weights)."""
+    """rl-fully-async: generation runs ahead of training by up to rollout.max_rollouts_in_flight rollouts, and weight
+    pushes land in the middle of generations.
+
+        W = rollout.max_rollouts_in_flight
+        evaluation = evaluate.submit(start)                        # when due (eval.*)
+        in_flight = {i: generate.submit(i) for i in start .. start + W - 1}
+        for rollout_id in start .. num_rollout - 1:
+            compute_values(rollout_id, wait_for=[in_flight[rollout_id]])    # with a critic
+            table = get(rollout_id, wait_for=[in_flight.pop(rollout_id)])   # oldest first; groups with a token staler
+                                                                   # than rollout.max_weight_staleness are dropped
+            in_flight[rollout_id + W] = generate.submit(rollout_id + W)     # the window stays full
+            train_step(rollout_id, table)                          # meanwhile the engines generate the next W rollouts
+            train_critic(rollout_id, table)                        # with a critic
+            sync_weights(rollout_id, wait_for=[evaluation])        # every update_weights_interval; the engines pause
+                                                                   # the generations in flight between two decode
+                                                                   # steps, load, and continue them on the new weights
+            evaluation = evaluate.submit(rollout_id + 1)           # when due
+            save_checkpoint(rollout_id)                            # every save_interval and at the end
+            when asked to pause or cancel: no generation starts; those in flight are trained first
+        wait for evaluation
+
+    Each token records the weight version that produced it (the rollout file's weight_versions column): a sample may
+    span several versions, and the loss corrects each token with the engine's log-prob of it (algo.use_tis or
+    algo.use_rollout_logprobs). The engines batch every rollout in flight together, so a rollout's slow samples no
+    longer hold the engine or the trainer.
+
+    Choose it over rl-async when response lengths are long-tailed (reasoning, agents): rl-async waits for the slowest
+    sample of each rollout and pushes weights only between generations, one version behind; here tokens may be up to
+    about W versions behind, bounded by rollout.max_weight_staleness. Every generation draws one round of prompts, so
+    algo.dynamic_sampling is refused. The run directory is the buffer: rollouts stored but not yet trained are reused
+    by a resumed run, and a retried generate regenerates the same rollout id from the same prompts and seeds."""
     window = run.config.rollout.max_rollouts_in_flight
     return _generating_ahead(run, steps, window, pushes_wait_for_generations=False)
 
@@ -193,7 +255,7 @@ def adapter_iteration(adapter: AdapterRun, steps: Steps, rollout_id: int) -> lis
     chain = [*evaluated, steps.generate.submit(adapter, rollout_id)]
     chain.append(steps.get.submit(adapter, rollout_id, wait_for=[chain[-1]]))
     chain.append(steps.train_step.submit(adapter, rollout_id, chain[-1]))
-    if adapter.should_push(rollout_id):
+    if adapter.should_sync(rollout_id):
         chain.append(steps.push_adapter.submit(adapter, rollout_id, wait_for=[chain[-1], *evaluated]))
     if adapter.should_save(rollout_id):
         chain.append(steps.save_checkpoint.submit(adapter, rollout_id, wait_for=[chain[-1], *evaluated]))
@@ -205,14 +267,32 @@ def adapter_iteration(adapter: AdapterRun, steps: Steps, rollout_id: int) -> lis
 
 
 def multi_lora(run: MultiLoRARun, steps: Steps) -> Iterator[tuple[AdapterRun, int]]:
-    """rl-multi-lora: each adapter's rollouts in order, the adapters side by side: an adapter's next rollout is
-    submitted when its previous one ends. At each boundary (and every TENANT_POLL_S meanwhile) the run admits the
-    tenants submitted since, which start at once; a withdrawn adapter is saved and retired instead of going on; an
-    adapter whose chain failed is recorded (`run.failures`) and retired, and the others go on. A trainer group left
-    without an adapter to train is stopped. With nothing left in flight the run waits for tenants as
-    tenants.idle_timeout_s says, then ends. Once the user asks to pause or cancel, no rollout is submitted: each
-    adapter waits at its boundary, and when none is in flight the run does what was asked (`at_adapters_boundary`).
-    Yields (adapter, rollout_id) as each rollout ends."""
+    """rl-multi-lora: N LoRA adapters on one frozen base, trained concurrently, each by its trainer group (adapters of
+    different groups train at the same time), and tenants that join and leave while it runs.
+
+        for each adapter (the configured ones, and each tenant as it is submitted), concurrently (futures):
+            for rollout_id in its start .. num_steps - 1:
+                evaluate(adapter, rollout_id)            # when due (its eval.*), beside its generation
+                generate(adapter, rollout_id)            # the engines batch this with the other adapters' requests
+                table = get(adapter, rollout_id)
+                train_step(adapter, rollout_id, table)   # this adapter's optimizer only
+                push_adapter(adapter, rollout_id)        # only this adapter changes on the engines (after its evaluation)
+                save_checkpoint(adapter, rollout_id)     # every save_interval and at its end: a PEFT directory
+            evaluate(adapter, num_steps)                 # its final weights
+            retire_adapter(adapter)                      # after its last step: unloaded; the other adapters go on
+        a withdrawn adapter: save_checkpoint, retire_adapter at its next boundary
+        an adapter whose step failed (after its retries): recorded (`run.failures`), retired; the others go on, and
+            the run fails at the end, naming it
+        a trainer group left without an adapter to train: stopped
+        nothing left to train: wait up to tenants.idle_timeout_s for a tenant (every TENANT_POLL_S meanwhile, and
+            at each boundary, the tenants submitted since are admitted)
+        asked to pause or cancel: no adapter starts a rollout; with none in flight, each adapter is saved at its
+            boundary, then the run holds until resumed (no form: each adapter's settings are its own), releasing the
+            engines and trainer groups when asked, or ends Cancelled (`at_adapters_boundary`)
+
+    An adapter's final rollout is pushed only for its final evaluation. Each adapter has its own directory, progress,
+    metrics and summary; a run dir that holds adapter checkpoints resumes each adapter after its latest one. Yields
+    (adapter, rollout_id) as each rollout ends."""
     ended: queue.SimpleQueue = queue.SimpleQueue()
     in_flight = 0
 
