@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PREFECT_ENV := PREFECT_HOME=$(CURDIR)/.prefect PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 
 .PHONY: install install-gpu install-sglang-cpu print-sglang-cpu-python real-model print-real-model gpu-wheels \
-	gpu-check-dry-run run run-gpu test test-benchmarks docs docs-serve ui server server-postgres
+	gpu-check-dry-run run run-gpu test test-fast test-benchmarks docs docs-serve ui server server-postgres
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -107,6 +107,13 @@ test: install install-sglang-cpu real-model
 		|| { kill $$builder; exit 1; }; \
 	wait $$builder; \
 	$(TEST_ENV) $(PY) -m pytest -q $(ONE_AT_A_TIME)
+
+# The inner loop, in minutes: lint, then the tests that start no cluster, workflow server, real model or run
+# (`--fast`, tests/conftest.py: by directory, marker and the fixtures a test takes).
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q -n 2 --fast
 
 # The documentation site (docs/, mkdocs.yml) into .site/; the configuration reference is made from miles/config.py.
 docs: install

@@ -19,6 +19,33 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
+# `--fast` (make test-fast, the inner loop) leaves out what starts a cluster, a workflow server, a real model or a
+# subprocess run: the end-to-end and benchmark directories, the marked tests, and every test that takes one of these
+# fixtures (found by the fixtures a test asks for, so a new test is sorted without a list to keep).
+SLOW_DIRECTORIES = ("tests/e2e/", "tests/benchmarks/")
+SLOW_MARKERS = ("slow", "slow_smoke", "sglang_contract")
+SLOW_FIXTURES = {"ray_session", "prefect_api", "real_model_dir", "instruct_model_dir", "uninterrupted_weights"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true", help="only the tests that start no cluster, server or run")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    slow, fast = [], []
+    for item in items:
+        path = Path(str(item.fspath)).relative_to(config.rootpath).as_posix()
+        heavy = (
+            path.startswith(SLOW_DIRECTORIES)
+            or any(item.get_closest_marker(marker) for marker in SLOW_MARKERS)
+            or SLOW_FIXTURES & set(item.fixturenames)
+        )
+        (slow if heavy else fast).append(item)
+    config.hook.pytest_deselected(items=slow)
+    items[:] = fast
+
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory, worker_id) -> Path:
