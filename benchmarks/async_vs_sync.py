@@ -22,7 +22,7 @@ configure_prefect()
 from flows.async_rl import async_rl  # noqa: E402
 from flows.sync_rl import sync_rl  # noqa: E402
 from miles.config import load_config  # noqa: E402
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 BALANCED = [
     "rollout.num_threads=1",

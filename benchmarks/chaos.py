@@ -36,7 +36,7 @@ import psutil
 
 from benchmarks.prefect_server import free_port
 from benchmarks.smoke import UNTRAINED_MODEL, parse_args
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 TARGETS = ("engine", "trainer", "flow", "api")
 RUN = [

@@ -24,9 +24,9 @@ configure_prefect()
 
 from flows.runtime import start_ephemeral_api  # noqa: E402
 from flows.sync_rl import sync_rl  # noqa: E402
-from miles.cluster import ensure_ray  # noqa: E402
+from miles.cluster.actors import ensure_ray  # noqa: E402
 from miles.config import load_config  # noqa: E402
-from miles.run_dir import RunDir  # noqa: E402
+from miles.state.run_dir import RunDir  # noqa: E402
 
 
 def _block(run_dir: Path, on: bool, first: int, iterations: int, overrides: list[str]) -> list[float]:

@@ -40,7 +40,7 @@ import ray
 import torch
 
 from benchmarks.smoke import parse_args
-from miles.cluster import actor_options
+from miles.cluster.actors import actor_options
 from miles.rollout.schema import ROLLOUT_SCHEMA, STATUSES, with_rollout_metadata
 from miles.train.algorithms.advantages import grpo
 

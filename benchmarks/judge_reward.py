@@ -17,7 +17,7 @@ import time
 from transformers import AutoTokenizer
 
 from benchmarks.smoke import UNTRAINED_MODEL, parse_args
-from miles.cluster import ensure_ray
+from miles.cluster.actors import ensure_ray
 from miles.config import load_config
 from miles.data.datasets import load_rows
 from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids

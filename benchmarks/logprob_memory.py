@@ -46,7 +46,7 @@ from benchmarks.random_llama import random_llama
 from benchmarks.smoke import parse_args
 from benchmarks.train_step import rollout_table
 from miles.config import load_config
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs

@@ -100,7 +100,7 @@ def main() -> None:
     start_ephemeral_api()  # as `miles run` starts it
     from flows.sync_rl import sync_rl
     from miles.config import load_config
-    from miles.run_dir import RunDir
+    from miles.state.run_dir import RunDir
     from tasks.history import wait_for_task_history
 
     config = load_config(None, SMALL_BATCH + args.overrides, run_dir=str(home / "run"), num_rollout=args.iterations)

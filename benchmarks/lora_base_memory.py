@@ -30,10 +30,10 @@ from transformers.utils import logging as hf_logging
 from benchmarks.random_llama import random_llama
 from benchmarks.smoke import parse_args
 from benchmarks.train_step import rollout_table
-from miles.cluster import ensure_ray
+from miles.cluster.actors import ensure_ray
 from miles.config import AdapterConfig, load_config
 from miles.models.tiny import build_tokenizer
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
 from tests.helpers.lora_memory import each_worker_held_bytes

@@ -2,10 +2,10 @@
 sending to every engine.
 
 Two trainer ranks (FSDP2 over gloo) colocated with two SGLang engines (the stand-in server, which loads
-`/update_weights_from_tensor` payloads as SGLang does) on a Ray node of two simulated GPUs (miles.placement: Ray's
+`/update_weights_from_tensor` payloads as SGLang does) on a Ray node of two simulated GPUs (miles.cluster.placement: Ray's
 GPU accounting real, torch on the CPU, where a payload carries the bytes rather than CUDA IPC handles). The same
 controller and trainer group push the same weights both ways, alternately, each push a new version checked on both
-engines (miles.weight_check):
+engines (miles.weights.check):
 
 - per rank (`TrainerWeights.senders=2`, what a colocated run does): every rank gathers each bucket (FSDP's
   all-gather) and serializes it for its own engine;
@@ -34,12 +34,12 @@ from transformers.utils import logging as hf_logging
 
 from benchmarks.random_llama import random_llama
 from benchmarks.smoke import parse_args
-from miles.cluster import RestartableActor, ensure_ray
+from miles.cluster.actors import RestartableActor, ensure_ray
+from miles.cluster.placement import ColocatedBundles, simulated_cluster
 from miles.config import load_config
-from miles.placement import ColocatedBundles, simulated_cluster
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.weight_transport import TensorPush, TrainerWeights
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.group import start_trainer_group
 from tests.helpers import SGLANG_STAND_IN

@@ -16,11 +16,11 @@ import math
 import tempfile
 
 from benchmarks.smoke import TINY_RUN, parse_args
-from miles.cluster import ensure_ray
+from miles.cluster.actors import ensure_ray
+from miles.cluster.placement import ray_actors
 from miles.config import load_config
 from miles.loop import run_sync
-from miles.placement import ray_actors
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 PPO = ["algo.advantage_estimator=gae", "critic.warmup_rollouts=10"]
 WHOLE_TASK_EVAL = "eval.datasets=[{name: addition, task: addition}]"

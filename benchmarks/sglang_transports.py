@@ -25,8 +25,8 @@ from benchmarks.random_llama import random_llama
 from benchmarks.sglang_servers import add_server_arguments, server_config
 from benchmarks.smoke import parse_args
 from miles.engines.sglang_engine import SGLangEngine
-from miles.tensor_payload import serialize_bucket
-from miles.weight_group import FLATTENED, WeightGroup, join, leave, send_bucket, tensor_specs
+from miles.weights.group import FLATTENED, WeightGroup, join, leave, send_bucket, tensor_specs
+from miles.weights.payload import serialize_bucket
 
 
 def _buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:

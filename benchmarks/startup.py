@@ -36,7 +36,7 @@ PROBES = {
         "c = get_client(sync_client=True).__enter__(); c.api_healthcheck(); print('piece', time.perf_counter() - t)"
     ),
     "Ray start (2 actors' CPUs)": (
-        "import ray, time; from miles.cluster import ensure_ray; t = time.perf_counter(); ensure_ray(None, actors=2); "
+        "import ray, time; from miles.cluster.actors import ensure_ray; t = time.perf_counter(); ensure_ray(None, actors=2); "
         "print('piece', time.perf_counter() - t)"
     ),
 }

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 
 from benchmarks.smoke import UNTRAINED_MODEL, parse_args
-from miles.cluster import ensure_ray
+from miles.cluster.actors import ensure_ray
 from miles.config import load_config
 from miles.loop import run_multi_lora
 

@@ -39,9 +39,9 @@ from transformers.utils import logging as hf_logging
 from benchmarks.random_llama import random_llama
 from benchmarks.smoke import parse_args
 from benchmarks.train_step import rollout_table
-from miles.cluster import ensure_ray
+from miles.cluster.actors import ensure_ray
 from miles.config import load_config
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.group import start_trainer_group
 

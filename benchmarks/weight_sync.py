@@ -39,12 +39,12 @@ from transformers.utils import logging as hf_logging
 
 from benchmarks.random_llama import random_llama
 from benchmarks.smoke import parse_args
-from miles.cluster import RestartableActor, ensure_ray
+from miles.cluster.actors import RestartableActor, ensure_ray
+from miles.cluster.placement import ray_actors
 from miles.config import load_config
-from miles.placement import ray_actors
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.weight_transport import DiskPush, DistributedTransport, TrainerWeights
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.group import start_trainer_group
 

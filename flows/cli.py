@@ -123,8 +123,8 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     import ray
 
-    from miles.cluster import ensure_ray
-    from miles.placement import plan_placement, ray_actors, simulated_cluster
+    from miles.cluster.actors import ensure_ray
+    from miles.cluster.placement import plan_placement, ray_actors, simulated_cluster
     from miles.train.algorithms import resolve_estimator
 
     with contextlib.ExitStack() as stack:
@@ -148,11 +148,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _memory_budget(config, gpu_gib: float) -> int:
-    """The memory each GPU holds (miles.memory_budget), where the run is on GPUs and its model's config.json is here."""
+    """The memory each GPU holds (miles.cluster.memory_budget), where the run is on GPUs and its model's config.json is here."""
     from pathlib import Path
 
+    from miles.cluster.memory_budget import ModelShape, budget
     from miles.engines import resolve_engine
-    from miles.memory_budget import ModelShape, budget
 
     if not (config.rollout.device.startswith("cuda") or config.train.device.startswith("cuda")):
         return 0
@@ -219,7 +219,7 @@ def _control(args: argparse.Namespace) -> int:
 def _tenant(args: argparse.Namespace) -> int:
     """`miles tenant ...`: the run directory is the run's mailbox; no Prefect needed."""
     from miles.config import ConfigError, load_adapter_config
-    from miles.multi_lora import adapter_states, submit_tenant, withdraw_adapter
+    from miles.multi_lora.run import adapter_states, submit_tenant, withdraw_adapter
 
     try:
         if args.action == "submit":

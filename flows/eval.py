@@ -29,14 +29,14 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactCreate
 
 from flows.runtime import check_deployment_run
-from miles.checkpoint_eval import (
+from miles.config import ConfigError
+from miles.evaluation.checkpoint_eval import (
     checkpoint_evaluations,
     checkpoint_run,
     evaluate_checkpoint,
     recorded_run_config,
     unevaluated_checkpoints,
 )
-from miles.config import ConfigError
 from tasks.artifacts import artifact_key, table_rows
 
 SHOWN = ("rollout_id", "eval", "weight_version", "reward_mean", "prompts", "samples", "failed_samples", "checkpoint")

@@ -24,11 +24,11 @@ from flows.control import pause_timeout_s
 from flows.eval import rl_eval
 from flows.registry import FLOWS
 from flows.runtime import check_deployment_run
-from miles.checkpoint import latest_checkpoint
 from miles.config import RunConfig
+from miles.evaluation.promote import export_checkpoint, record_decision
 from miles.lineage import describe, markdown
-from miles.promote import export_checkpoint, record_decision
-from miles.run_dir import RunDir
+from miles.state.checkpoint import latest_checkpoint
+from miles.state.run_dir import RunDir
 
 
 class Approval(RunInput):

@@ -14,8 +14,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from miles.multi_lora import AdapterRun
-from miles.plots import data_uri
+from miles.multi_lora.run import AdapterRun
+from miles.observe.plots import data_uri
 from miles.run import RLRun
 from tasks.artifacts import table_rows
 from tasks.events import IterationEvents

@@ -23,9 +23,9 @@ from prefect.deployments import run_deployment
 
 from flows.registry import FLOWS
 from flows.runtime import check_deployment_run
-from miles import sweep
 from miles.config import RunConfig
-from miles.plots import data_uri
+from miles.evaluation import sweep
+from miles.observe.plots import data_uri
 
 POLL_S = 2.0
 

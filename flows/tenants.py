@@ -5,7 +5,7 @@ multi-LoRA run, `rl-tenant-withdraw` saves and retires one.
     prefect deployment run rl-tenant-withdraw/tiny --param name=add-2 --param reason="enough"
 
 Each deployment's `run_dir` parameter names the multi-LoRA run it serves. A submission is checked as a configured
-adapter is at a start (its data, reward and prompts; a free name; miles.multi_lora.check_tenant) and as a run of the
+adapter is at a start (its data, reward and prompts; a free name; miles.multi_lora.run.check_tenant) and as a run of the
 deployment is (the allowed modules, roots and Ray addresses: flows.runtime.check_deployment_run), and fails with why;
 an accepted one waits in the run directory, and the run admits it at its next iteration boundary.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.runtime import check_deployment_run
-from miles import multi_lora
 from miles.config import AdapterConfig
+from miles.multi_lora import run as multi_lora
 
 
 @flow(name="rl-tenant-submit")

@@ -11,7 +11,8 @@ from typing import Any
 
 from miles import schedules
 from miles.config import RunConfig
-from miles.multi_lora import MultiLoRARun, check_adapter_inputs
+from miles.multi_lora.run import MultiLoRARun, check_adapter_inputs
+from miles.multi_lora.schedule import multi_lora as multi_lora_schedule
 from miles.run import RLRun, check_fully_async, check_off_policy_correction, check_run
 from miles.schedules import Steps
 
@@ -49,6 +50,6 @@ GRAPHS = {
         Graph("sync", schedules.sync, RLRun, (), check_run),
         Graph("async", schedules.one_step_off_policy, RLRun, (check_off_policy_correction,), check_run),
         Graph("fully-async", schedules.fully_async, RLRun, (check_fully_async,), check_run),
-        Graph("multi-lora", schedules.multi_lora, MultiLoRARun, (), check_adapter_inputs),
+        Graph("multi-lora", multi_lora_schedule, MultiLoRARun, (), check_adapter_inputs),
     )
 }

@@ -19,22 +19,22 @@ from typing import Any, NamedTuple, TypeVar
 
 import pyarrow as pa
 
-from miles.checkpoint_eval import checkpoint_evaluations
 from miles.config import RunConfig
 from miles.data import DataSource
-from miles.evaluate import EvalSet, Evaluation
+from miles.evaluation.checkpoint_eval import checkpoint_evaluations
+from miles.evaluation.evaluate import EvalSet, Evaluation
 from miles.lineage import code_version, rollout_lineage
-from miles.plots import plot_eval_curve, plot_reward_curve
+from miles.observe.plots import plot_eval_curve, plot_reward_curve
+from miles.observe.trackers import Trackers
 from miles.resume import ResumePlan
 from miles.rewards import RewardFn, close_rewards
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.rollout_executor import RolloutExecutor, summarize
 from miles.rollout.schema import rollout_metadata
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir, is_evaluation
-from miles.trackers import Trackers
+from miles.state.run_dir import RunDir, is_evaluation
 from miles.train.algorithms import Algorithm
-from miles.weight_version import trained_version
+from miles.weights.version import trained_version
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class Iterations:
         return record
 
     def _log_checkpoint_evaluations(self) -> None:
-        """Evaluations of the run's checkpoints made beside it (rl-eval, miles.checkpoint_eval) go to its trackers, as
+        """Evaluations of the run's checkpoints made beside it (rl-eval, miles.evaluation.checkpoint_eval) go to its trackers, as
         the series `eval/<data set>@checkpoint/...` (a step is logged once)."""
         if self.trackers.trackers:
             for record in checkpoint_evaluations(self.run_dir):
@@ -333,7 +333,7 @@ class PolicyRun:
     ask these of either."""
 
     iterations: Iterations
-    reporter: Any  # shows each finished iteration (miles.progress)
+    reporter: Any  # shows each finished iteration (miles.observe.progress)
 
     def rollout_ids(self) -> range:
         return self.iterations.rollout_ids()

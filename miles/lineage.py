@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from miles.checkpoint import file_sha256, read_state
 from miles.data.datasets import ROW
-from miles.run_dir import RunDir, package_versions
+from miles.state.checkpoint import file_sha256, read_state
+from miles.state.run_dir import RunDir, package_versions
 
 SOURCE_TREE = Path(__file__).resolve().parent.parent
 

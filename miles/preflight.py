@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from miles.config import ConfigError, RunConfig, config_changes
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 RAY_CONNECT_TIMEOUT_S = 5.0
 

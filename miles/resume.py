@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.checkpoint import latest_checkpoint, read_state
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir
-from miles.weight_version import trained_version
+from miles.state.checkpoint import latest_checkpoint, read_state
+from miles.state.run_dir import RunDir
+from miles.weights.version import trained_version
 
 log = logging.getLogger(__name__)
 

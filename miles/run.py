@@ -2,7 +2,7 @@
 
 Flows and the plain loop drive the same calls: generate -> get -> train -> sync_weights per rollout_id,
 then save_checkpoint when due and finish_iteration. Each call is idempotent per rollout_id. The multi-LoRA run
-(miles.multi_lora) drives the same calls per adapter.
+(miles.multi_lora.run) drives the same calls per adapter.
 """
 
 from __future__ import annotations
@@ -16,17 +16,9 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from miles.checkpoint import MODEL_DIR, latest_checkpoint, read_state
-from miles.cluster import ActorGroup, RestartableActor, ensure_ray
-from miles.config import ConfigChange, ConfigError, RunConfig, recorded_changes
-from miles.data import check_prompt_tokens, load_rows
-from miles.data.prompts import PromptFormatter
-from miles.evaluate import load_eval_sets
-from miles.iterations import Iterations, PolicyInputs, PolicyRun
-from miles.memory_budget import ModelShape, resident_bytes, trainer_parts
-from miles.models import build_tokenizer, ensure_embedded_model
-from miles.models.tiny import tool_tokens
-from miles.placement import (
+from miles.cluster.actors import ActorGroup, RestartableActor, ensure_ray
+from miles.cluster.memory_budget import ModelShape, resident_bytes, trainer_parts
+from miles.cluster.placement import (
     ColocatedBundles,
     PlacementRecord,
     check_transport,
@@ -35,8 +27,15 @@ from miles.placement import (
     torch_device,
     weight_transport,
 )
+from miles.config import ConfigChange, ConfigError, RunConfig, recorded_changes
+from miles.data import check_prompt_tokens, load_rows
+from miles.data.prompts import PromptFormatter
+from miles.evaluation.evaluate import load_eval_sets
+from miles.iterations import Iterations, PolicyInputs, PolicyRun
+from miles.models import build_tokenizer, ensure_embedded_model
+from miles.models.tiny import tool_tokens
+from miles.observe.progress import IterationReporter
 from miles.preflight import check_start, load_model_files
-from miles.progress import IterationReporter
 from miles.resume import ResumePlan
 from miles.rewards import resolve_reward
 from miles.rollout.generation import resolve_generate_fn
@@ -49,13 +48,14 @@ from miles.rollout.weight_transport import (
     TensorTransport,
     TrainerWeights,
 )
-from miles.run_dir import Ledger, RunDir
+from miles.state.checkpoint import MODEL_DIR, latest_checkpoint, read_state
+from miles.state.run_dir import Ledger, RunDir
 from miles.train.actor import TrainActor
 from miles.train.algorithms import Algorithm
 from miles.train.critic import CriticActor
 from miles.train.group import start_trainer_group, start_worker_group
-from miles.weight_check import WeightProbe
-from miles.weight_version import trained_version
+from miles.weights.check import WeightProbe
+from miles.weights.version import trained_version
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 2. Multi-LoRA on CUDA: a LoRATrainActor steps two adapters; one engine serves both in one mixed batch, and
    each adapter's rows match the trainer's log-probs.
 3. Throughput of a larger random Llama: engine tokens/s (batch x new tokens, no stop) and trainer tokens/s.
-4. The tensor transport's payload (miles.tensor_payload): CUDA tensors sent as IPC handles are opened by another
+4. The tensor transport's payload (miles.weights.payload): CUDA tensors sent as IPC handles are opened by another
    process, as an SGLang server on the same GPU opens them, and hold the sender's values.
 5. A model of a pretrained model's size (Qwen2.5-0.5B's shape and vocabulary, random weights stored in bf16): the
    TorchEngine serving it in bf16, the trainer as one FSDP2 rank computing in bf16 (token-budget micro-batches,
@@ -333,7 +333,7 @@ print(repr({name: float(t.double().sum()) for name, t in tensors.items()}))
 
 
 def check_tensor_payload() -> bool:
-    from miles.tensor_payload import serialize_bucket
+    from miles.weights.payload import serialize_bucket
 
     torch.manual_seed(0)
     # Mixed dtypes, an odd size between them: each byte range must stay aligned for its dtype.

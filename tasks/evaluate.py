@@ -1,7 +1,7 @@
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from miles.multi_lora import AdapterRun
+from miles.multi_lora.run import AdapterRun
 from miles.run import RLRun
 from tasks.artifacts import table_rows
 from tasks.options import task_options

@@ -4,7 +4,7 @@ Events (the resource is the flow run, `prefect.flow-run.<id>`, labelled with the
 derived from the run directory and rollout, so a retried step's event is the same event):
 - `miles.iteration.finished`: every iteration, with its metrics (reward, loss, grad norm, KL, entropy, staleness,
   phase times, failed samples; a value that is not finite as null) and what is unhealthy about it;
-- `miles.iteration.unhealthy`: a value that is not finite, or a reward failing on many samples (miles.alerts);
+- `miles.iteration.unhealthy`: a value that is not finite, or a reward failing on many samples (miles.observe.alerts);
 - `miles.reward.collapsed`: the reward's latest window mean fell below alerts.reward_collapse_drop of its best;
 - `miles.checkpoint.saved`: a checkpoint (its resource, labelled with its path, kind (model or adapter), rollout,
   run directory and the flow run that saved it): rl-eval's trigger.
@@ -31,8 +31,8 @@ from prefect.client.schemas.objects import StateType
 from prefect.context import FlowRunContext
 from prefect.events import emit_event
 
-from miles.alerts import RewardCollapse, unhealthy
-from miles.checkpoint import MODEL_DIR
+from miles.observe.alerts import RewardCollapse, unhealthy
+from miles.state.checkpoint import MODEL_DIR
 
 log = logging.getLogger(__name__)
 

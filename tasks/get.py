@@ -1,7 +1,7 @@
 import pyarrow as pa
 from prefect import task
 
-from miles.multi_lora import AdapterRun
+from miles.multi_lora.run import AdapterRun
 from miles.run import RLRun
 from tasks.options import task_options
 

@@ -150,7 +150,7 @@ def make_lora(tiny_model_dir):
 def ray_session():
     import ray
 
-    from miles.cluster import ensure_ray
+    from miles.cluster.actors import ensure_ray
 
     ensure_ray(None, actors=5)  # room for two trainer groups of two workers beside an engine
     yield

@@ -13,7 +13,7 @@ from pydantic.fields import FieldInfo
 
 from miles.config.base import Section, changes_freely
 from miles.config.run import ConfigChange, RunConfig, mid_run_fields
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 # The form's names of the fields a paused run may change, in the config's order: {'num_rollout': 'num_rollout', ...}.
 MID_RUN_FIELDS = mid_run_fields()

@@ -29,7 +29,7 @@ class SGLangConfig(Section):
         gt=0,
         lt=1,
         description="GPU memory share for weights and KV cache; unset: SGLang's choice, or colocated, what the trainer "
-        "rank leaves (miles.memory_budget)",
+        "rank leaves (miles.cluster.memory_budget)",
     )
     max_loras_per_batch: int = Field(8, gt=0, description="adapters (the base counts as one) in one batch")
     extra_args: list[str] = Field(
@@ -143,7 +143,7 @@ class RolloutConfig(Section):
         description="a weight push has landed when each engine's log-probs of the model's own greedy 16-token "
         "sequence are within this of the trainer's (mean absolute difference per token; a real bf16 model served "
         "by SGLang differs by about 0.035) and the engine's weights checksum moved with the trainer's "
-        "(miles.weight_check)",
+        "(miles.weights.check)",
         json_schema_extra=CHANGES_FREELY,
     )
     sglang: SGLangConfig = Field(SGLangConfig(), json_schema_extra=CHANGES_FREELY)

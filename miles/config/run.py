@@ -25,8 +25,8 @@ from miles.config.rewards import JudgeConfig, RewardModelConfig
 from miles.config.rollout import RolloutConfig
 from miles.config.tracking import AlertsConfig, LoggingConfig
 from miles.config.train import CriticConfig, TrainConfig
-from miles.run_dir import RunDir
-from miles.seeds import adapter_run_seed
+from miles.state.run_dir import RunDir
+from miles.state.seeds import adapter_run_seed
 
 # The settings a field left unset takes (RunConfig._preset). A built-in task: today's embedded-model values (4-token
 # answers; a 0.5M-parameter model learns at 5e-4). The user's own data, on a pretrained model: the peers' common

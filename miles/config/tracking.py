@@ -22,7 +22,7 @@ class LoggingConfig(Section):
 
 
 class AlertsConfig(Section):
-    """What a run's iteration records are watched for (miles.alerts); a flow emits an event for each alert, which the
+    """What a run's iteration records are watched for (miles.observe.alerts); a flow emits an event for each alert, which the
     shipped automations act on (docs/guides/control.md, "Events and automations")."""
 
     failed_reward_fraction: float = Field(

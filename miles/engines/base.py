@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from miles.config import AdapterConfig, RolloutConfig
-from miles.weight_group import TensorSpec, WeightGroup
+from miles.weights.group import TensorSpec, WeightGroup
 
 # What an engine can release of its device memory while a colocated trainer steps, as SGLang's memory saver names it
 # (sglang/srt/constants.py). Released weights are dropped, not kept on the host: the push after `resume_memory` of
@@ -157,7 +157,7 @@ class RolloutEngine(Protocol):
         colocated_trainer_bytes: float | None = None,
     ) -> dict[str, Any]:
         """The constructor's keyword arguments for an engine of `rollout` serving `adapters`; colocated, beside a
-        trainer rank that keeps `colocated_trainer_bytes` on the GPU between steps (miles.memory_budget)."""
+        trainer rank that keeps `colocated_trainer_bytes` on the GPU between steps (miles.cluster.memory_budget)."""
         ...
 
     @classmethod
@@ -198,7 +198,7 @@ class RolloutEngine(Protocol):
 
     def update_weights_from_tensor(self, payloads: list[str], version: int, last: bool = True) -> None:
         """Transport tensor: SGLang `/update_weights_from_tensor` payloads, a flattened bucket each
-        (miles.tensor_payload). A push may come in parts, in order, its last part with `last`: the first part of a
+        (miles.weights.payload). A push may come in parts, in order, its last part with `last`: the first part of a
         version pauses generation, the last loads the version and continues (a part of another version first ends
         the push that version left unfinished)."""
         ...
@@ -210,11 +210,11 @@ class RolloutEngine(Protocol):
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """The log-prob of each of `token_ids[1:]` given the tokens before it, under the weights served now (at
-        temperature 1, no adapter): what the push check compares with the trainer's (miles.weight_check)."""
+        temperature 1, no adapter): what the push check compares with the trainer's (miles.weights.check)."""
         ...
 
     def weights_checksum(self) -> str | None:
-        """A digest of every weight served now, which changes when any of them does (miles.weight_check); None when the
+        """A digest of every weight served now, which changes when any of them does (miles.weights.check); None when the
         engine cannot tell."""
         ...
 

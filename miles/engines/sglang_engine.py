@@ -5,7 +5,7 @@ Python of SGLang's own environment when `rollout.sglang.python` names one. Reque
 carry token ids and come back as token ids with their log-probs, so nothing is re-tokenized. Full weights arrive
 inside a paused weight-update session, from the model directory the trainer wrote (`/update_weights_from_disk`) or
 broadcast by the trainer over a weight-update group (`/update_weights_from_distributed`); the prefix cache is
-flushed with each load, and the controller checks what is served (miles.weight_check). Adapters are
+flushed with each load, and the controller checks what is served (miles.weights.check). Adapters are
 written as PEFT directories and loaded with `/load_lora_adapter`. Nothing needs pickle.
 
 A refused connection, a 5xx answer, or a generation that outlasts `timeout_s` while the server fails its health check
@@ -38,7 +38,8 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from miles.checkpoint import unshared, weights_dtype
+from miles.cluster.memory_budget import colocated_engine_share
+from miles.cluster.placement import gpu_memory_bytes, on_gpus, torch_device
 from miles.config import AdapterConfig, RolloutConfig, SGLangConfig
 from miles.engines.base import (
     EngineUnavailable,
@@ -49,9 +50,8 @@ from miles.engines.base import (
     check_memory_tags,
     shared_launch_args,
 )
-from miles.memory_budget import colocated_engine_share
-from miles.placement import gpu_memory_bytes, on_gpus, torch_device
-from miles.weight_group import FLATTENED, TensorSpec, WeightGroup
+from miles.state.checkpoint import unshared, weights_dtype
+from miles.weights.group import FLATTENED, TensorSpec, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ class SGLangEngine:
         self._load(version, "/update_weights_from_distributed", bodies)
 
     def update_weights_from_tensor(self, payloads: list[str], version: int, last: bool = True) -> None:
-        """Load `/update_weights_from_tensor` payloads (miles.tensor_payload), one request per flattened bucket; a
+        """Load `/update_weights_from_tensor` payloads (miles.weights.payload), one request per flattened bucket; a
         push in parts keeps SGLang's session open from its first part to its `last`."""
         self._check_base_weights_pushable()
         bodies = [{"serialized_named_tensors": [p], "load_format": FLATTENED} for p in payloads]
@@ -509,7 +509,7 @@ def launch_command(
         "--port",
         str(port),
         "--device",
-        torch_device(device).type,  # the CPU where GPUs are simulated (miles.placement)
+        torch_device(device).type,  # the CPU where GPUs are simulated (miles.cluster.placement)
         "--tp-size",
         str(config.tp_size),
         "--weight-version",

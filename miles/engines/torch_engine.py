@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from miles.checkpoint import tied_names, weights_dtype
+from miles.cluster.placement import torch_device
 from miles.config import AdapterConfig, RolloutConfig
 from miles.engines.base import (
     WEIGHTS,
@@ -47,10 +47,10 @@ from miles.engines.base import (
     read_safetensors,
     shared_launch_args,
 )
-from miles.placement import torch_device
+from miles.state.checkpoint import tied_names, weights_dtype
 from miles.train.logprobs import token_logprobs
-from miles.weight_check import weights_checksum
-from miles.weight_group import Membership, TensorSpec, WeightGroup, receive_bucket
+from miles.weights.check import weights_checksum
+from miles.weights.group import Membership, TensorSpec, WeightGroup, receive_bucket
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 

@@ -13,7 +13,7 @@ from miles.config import WarmupConfig
 from miles.envs import task_rows
 from miles.envs.arithmetic import SUMS
 from miles.envs.calculator import demonstration
-from miles.progress import ProgressLine
+from miles.observe.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 

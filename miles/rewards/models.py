@@ -18,11 +18,11 @@ import ray
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from miles.cluster import actor_options
+from miles.cluster.actors import actor_options
+from miles.cluster.placement import torch_device
 from miles.config import JudgeConfig, RewardModelConfig, RolloutConfig
 from miles.data.prompts import PromptFormatter
 from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
-from miles.placement import torch_device
 from miles.registry import import_callable
 from miles.rollout.inference_controller import InferenceController
 

@@ -31,7 +31,7 @@ from miles.engines.base import GenerateRequest, GenerateResult
 from miles.envs.base import Observation, StepResult, resolve_environment
 from miles.rewards.scoring import clip, finite_reward
 from miles.rollout.generation import GenerateClient, RolloutSample, SampleRecord
-from miles.seeds import turn_seed
+from miles.state.seeds import turn_seed
 
 log = logging.getLogger(__name__)
 

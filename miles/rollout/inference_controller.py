@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 import ray
 
-from miles.cluster import ENGINE_CONCURRENCY, HEALTH_TIMEOUT_S, actor_options, first_line
+from miles.cluster.actors import ENGINE_CONCURRENCY, HEALTH_TIMEOUT_S, actor_options, first_line
+from miles.cluster.placement import ColocatedBundles, Location, engine_options, location_of
 from miles.config import AdapterConfig, RolloutConfig
 from miles.engines import resolve_engine
 from miles.engines.base import (
@@ -36,9 +37,8 @@ from miles.engines.base import (
     RolloutEngine,
     check_adapters_loaded,
 )
-from miles.placement import ColocatedBundles, Location, engine_options, location_of
 from miles.rollout.weight_transport import WeightPush
-from miles.weight_check import WeightProbe
+from miles.weights.check import WeightProbe
 
 log = logging.getLogger(__name__)
 

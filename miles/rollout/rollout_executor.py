@@ -35,7 +35,7 @@ from miles.rollout.handover import (
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.schema import records_table, rollout_metadata, with_rollout_metadata
 from miles.rollout.store import DamagedRollout, RolloutStore
-from miles.seeds import rollout_seed
+from miles.state.seeds import rollout_seed
 from miles.train.algorithms import resolve_estimator
 
 log = logging.getLogger(__name__)

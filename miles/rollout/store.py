@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from miles.atomic import atomic_file
 from miles.rollout.schema import check_schema, upgraded
+from miles.state.atomic import atomic_file
 
 VALUES_SCHEMA = pa.schema([("sample_index", pa.int64()), ("values", pa.list_(pa.float32()))])
 

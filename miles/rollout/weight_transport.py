@@ -10,7 +10,7 @@
   CUDA IPC handles to its own GPU memory, which a server on the same GPU maps without a copy (the colocated
   placement, where `distributed` cannot work: NCCL refuses two ranks on one device); on a CPU, the bytes.
 - `distributed`: the trainer's rank 0 broadcasts the weights bucket by bucket over a weight-update group with every
-  engine (miles.weight_group; `update_weights_from_distributed`), each bucket as the engine class's
+  engine (miles.weights.group; `update_weights_from_distributed`), each bucket as the engine class's
   `distributed_load_format` asks: flattened into one tensor (SGLang's `/update_weights_from_distributed`) or tensor
   by tensor straight into the parameters (TorchEngine); nothing is written, nothing is copied whole.
 
@@ -19,7 +19,7 @@ transport is a class whose `push(version)` makes the push of the trainer's weigh
 
 A push is a `WeightPush`: the engine method that loads it and its arguments per engine, what the sender does while
 the engines receive, and its `probe`, the trainer's log-probs of a fixed sequence under the pushed weights, against
-which the controller checks what every engine then serves (miles.weight_check). An engine restarted by the controller gets the
+which the controller checks what every engine then serves (miles.weights.check). An engine restarted by the controller gets the
 push's `refill`: the same files or tensors for object_store and disk, kept until the next version lands; for
 distributed, which keeps no copy, the trainer's current weights broadcast to every engine over a new group.
 """
@@ -34,11 +34,11 @@ from typing import Any
 
 import ray
 
-from miles.cluster import RestartableActor
+from miles.cluster.actors import RestartableActor
 from miles.engines.base import RolloutEngine
 from miles.train.actor import TrainActor
-from miles.weight_check import WeightProbe
-from miles.weight_group import TensorSpec, WeightGroup
+from miles.weights.check import WeightProbe
+from miles.weights.group import TensorSpec, WeightGroup
 
 
 class WeightPush:
@@ -105,7 +105,7 @@ class DiskPush(WeightPush):
 @dataclass(frozen=True)
 class TrainerWeights:
     """What a tensor or distributed push needs of the trainer: the actor, the dtype the engines serve (what is sent;
-    None: the trainer's own), the version it holds and its probe of the weights it holds (miles.weight_check)."""
+    None: the trainer's own), the version it holds and its probe of the weights it holds (miles.weights.check)."""
 
     trainer: RestartableActor
     dtype: str | None
@@ -149,7 +149,7 @@ class TensorTransport:
 
 class TensorPush(WeightPush):
     """Transport tensor: each bucket as SGLang's `/update_weights_from_tensor` payload, a round each; on the GPU CUDA
-    IPC handles to the memory of the trainer rank on the engine's GPU, which the server maps (miles.tensor_payload):
+    IPC handles to the memory of the trainer rank on the engine's GPU, which the server maps (miles.weights.payload):
     engine i gets rank i's payloads when the engines are colocated with the ranks (`senders` ranks), rank 0's
     otherwise. The trainer gathers the next bucket only when the engines have loaded the last: one bucket is in
     flight, not a copy of the model."""

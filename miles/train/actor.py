@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles.checkpoint import (
+from miles.cluster.placement import torch_device
+from miles.config import RunConfig
+from miles.state.checkpoint import (
     MODEL_DIR,
     load_optimizer,
     save_optimizer,
@@ -23,16 +25,14 @@ from miles.checkpoint import (
     weights_dtype,
     write_checkpoint_from_ranks,
 )
-from miles.config import RunConfig
-from miles.placement import torch_device
-from miles.run_dir import RunDir
-from miles.seeds import train_seed
-from miles.tensor_payload import serialize_bucket
+from miles.state.run_dir import RunDir
+from miles.state.seeds import train_seed
 from miles.train.algorithms import resolve_estimator
 from miles.train.sharding import bucket_specs, full_state_dict, full_tensor_buckets, join_trainer_group, shard_model
 from miles.train.update import batch_logprobs, set_lr, train_on_rollout, with_kl_reward_coef
-from miles.weight_check import WeightProbe, take_probe
-from miles.weight_group import Membership, TensorSpec, WeightGroup, send_bucket
+from miles.weights.check import WeightProbe, take_probe
+from miles.weights.group import Membership, TensorSpec, WeightGroup, send_bucket
+from miles.weights.payload import serialize_bucket
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class TrainActor:
 
     def free_address(self) -> tuple[str, int]:
         """An address on this rank's node for a process group this rank is rank 0 of (the weight-update group)."""
-        from miles.cluster import free_address  # Ray's: the trainer also runs in a process without Ray
+        from miles.cluster.actors import free_address  # Ray's: the trainer also runs in a process without Ray
 
         return free_address()
 
@@ -162,7 +162,7 @@ class TrainActor:
         return bucket_specs(self.model, self._bucket_bytes, dtype)
 
     def weight_probe(self, dtype: str | None = None) -> WeightProbe:
-        """The push check of the weights held now (miles.weight_check), of the weights cast to the served `dtype`
+        """The push check of the weights held now (miles.weights.check), of the weights cast to the served `dtype`
         (unset: the model's own); every rank takes part. The sequence is the greedy one of the weights this actor
         started from, kept: one forward a push, where a new greedy sequence would take seventeen (each a round of
         collectives when sharded), and a sequence likely then stays likely over a run's small steps."""

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from miles.config import RunConfig
-from miles.seeds import train_seed
+from miles.state.seeds import train_seed
 from miles.train.actor import TrainActor
 from miles.train.algorithms import Algorithm
 from miles.train.algorithms.aggregation import LossScale

@@ -8,9 +8,9 @@ from typing import Any
 
 import ray
 
-from miles.cluster import ActorGroup, free_address
+from miles.cluster.actors import ActorGroup, free_address
+from miles.cluster.placement import ColocatedBundles, worker_placement
 from miles.config import RunConfig
-from miles.placement import ColocatedBundles, worker_placement
 from miles.train.actor import TrainActor
 
 

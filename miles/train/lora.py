@@ -27,17 +27,17 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from miles.checkpoint import (
+from miles.cluster.placement import torch_device
+from miles.config import AdapterConfig, RunConfig
+from miles.state.checkpoint import (
     ADAPTER_DIR,
     load_optimizer,
     save_optimizer,
     weights_dtype,
     write_checkpoint_from_ranks,
 )
-from miles.config import AdapterConfig, RunConfig
-from miles.placement import torch_device
-from miles.run_dir import RunDir
-from miles.seeds import adapter_init_seed, train_seed
+from miles.state.run_dir import RunDir
+from miles.state.seeds import adapter_init_seed, train_seed
 from miles.train.sharding import join_trainer_group, shard_model
 from miles.train.update import batch_logprobs, train_on_rollout, with_kl_reward_coef
 

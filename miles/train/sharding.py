@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
-from miles.checkpoint import tied_names
-from miles.weight_group import TensorSpec, rendezvous_store, tensor_specs
+from miles.state.checkpoint import tied_names
+from miles.weights.group import TensorSpec, rendezvous_store, tensor_specs
 
 # A rank that waits this long in a collective has lost its group; the group is restarted as a whole anyway.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)

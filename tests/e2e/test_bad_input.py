@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 PROJECT = Path(__file__).resolve().parents[2]
 SMALL = ["--set", "rollout.rollout_batch_size=4", "--set", "rollout.n_samples_per_prompt=2"]
@@ -108,7 +108,11 @@ def test_a_run_dir_that_is_a_file_or_read_only(tmp_path, capsys):
 def test_a_run_another_process_is_training(tmp_path, capsys):
     run_dir = tmp_path / "r"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from miles.run_dir import RunDir; RunDir({str(run_dir)!r}).create().lock(); input()"],
+        [
+            sys.executable,
+            "-c",
+            f"from miles.state.run_dir import RunDir; RunDir({str(run_dir)!r}).create().lock(); input()",
+        ],
         cwd=PROJECT,
         stdin=subprocess.PIPE,
     )

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 PROJECT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from miles.config import load_config
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers.waiting import eventually
 
 PROJECT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from miles.config import load_config
 from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
 from miles.engines.torch_engine import TorchEngine
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.logprobs import token_logprobs
 from tests.helpers.instruct_model import chat_data_overrides, questions, write_gsm8k_data
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from miles.loop import run_sync
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.e2e.test_cli import PROJECT
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, small_config_for, small_overrides
 from tests.helpers.waiting import eventually

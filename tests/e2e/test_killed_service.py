@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 
-from miles.cluster import RUN_MARK
-from miles.run_dir import RunDir
+from miles.cluster.actors import RUN_MARK
+from miles.state.run_dir import RunDir
 from tests.e2e.test_cli import PROJECT, _miles
 from tests.helpers import small_overrides
 from tests.helpers.waiting import eventually

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from miles.config import DEFAULT_EVAL_PROMPTS, load_config
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers.learning import LEARNING_ROLLOUTS, check_learning, greedy_accuracy, whole_task_eval
 
 CALCULATOR_GREEDY_GAIN = 0.06

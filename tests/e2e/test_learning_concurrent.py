@@ -11,7 +11,7 @@ bar, and +0.024 within 125, so the run keeps its 150).
 import statistics
 
 from miles.config import embedded_adapters, load_config
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers.learning import GREEDY_GAIN, check_learning, greedy_accuracy, whole_task_eval
 
 # The fully-async run differs from one time to the next (where a weight push lands in a generation decides which

@@ -1,6 +1,6 @@
 """A real pretrained model through the sync flow on the real SGLang server: SmolLM2-135M-Instruct (bf16, tied
 embeddings, ChatML; `make real-model`) served in bf16 by SGLang 0.5.23 on this CPU (`make install-sglang-cpu`), two
-rollouts of chat data, each version's weights pushed and checked (miles.weight_check)."""
+rollouts of chat data, each version's weights pushed and checked (miles.weights.check)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from flows.sync_rl import sync_rl
 from miles.config import load_config
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers.instruct_model import chat_data_overrides, write_gsm8k_data
 
 REAL_PYTHON = os.environ.get("MILES_SGLANG_PYTHON")

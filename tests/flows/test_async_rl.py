@@ -2,7 +2,7 @@
 
 from flows.async_rl import async_rl
 from miles.run import RLRun
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, relative_distance
 from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
 from tests.helpers.history import stored_task_runs

@@ -17,7 +17,7 @@ from flows.sync_rl import sync_rl
 from miles.config import ConfigError
 from miles.loop import run_multi_lora, run_sync
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import final_weights, max_abs_diff
 from tests.helpers.faults import assert_same_samples
 from tests.helpers.history import flow_run_artifacts

@@ -6,7 +6,7 @@ from flows.async_rl import async_rl
 from flows.sync_rl import sync_rl
 from miles.loop import run_async, run_sync
 from miles.run import RLRun
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
 from tests.helpers.faults import assert_same_samples, fault_before, freeze_then_kill
 from tests.helpers.history import retried_task_runs, stored_task_runs

@@ -6,9 +6,9 @@ import pytest
 
 from flows.eval import rl_eval
 from flows.sync_rl import sync_rl
-from miles.checkpoint_eval import evaluations_path
 from miles.config import ConfigError
-from miles.run_dir import RunDir
+from miles.evaluation.checkpoint_eval import evaluations_path
+from miles.state.run_dir import RunDir
 from tests.helpers.history import flow_run_artifacts
 
 EVAL = ["eval.datasets=[{name: sums, task: addition, max_prompts: 16}]", "eval.interval=2"]

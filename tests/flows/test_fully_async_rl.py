@@ -5,7 +5,7 @@ from flows.fully_async_rl import fully_async_rl
 from miles.rollout.schema import rollout_metadata
 from miles.rollout.store import RolloutStore
 from miles.run import RLRun
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill
 from tests.helpers.history import stored_task_runs

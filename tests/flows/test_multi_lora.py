@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from flows.multi_lora import multi_lora
 from miles.loop import run_multi_lora
-from miles.multi_lora import AdapterRun, MultiLoRARun
-from miles.run_dir import RunDir
+from miles.multi_lora.run import AdapterRun, MultiLoRARun
+from miles.state.run_dir import RunDir
 from tests.helpers import max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_same_samples, assert_whole_rollouts, fault_before, freeze_then_kill
 from tests.helpers.history import flow_run_artifacts, retried_task_runs, stored_task_runs

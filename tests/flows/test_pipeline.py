@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.cli import main as miles
 from flows.pipeline import rl_pipeline
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.flows.test_control import _operate
 from tests.helpers.history import flow_run_artifacts
 

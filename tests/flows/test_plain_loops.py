@@ -8,7 +8,7 @@ from flows.async_rl import async_rl
 from flows.fully_async_rl import fully_async_rl
 from flows.sync_rl import sync_rl
 from miles.loop import run_async, run_fully_async, run_sync
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import final_weights, max_abs_diff
 
 # No evaluation: one beside a generation would make the engine batch the two together, and batch mates change

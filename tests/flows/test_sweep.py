@@ -7,7 +7,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter
 
 from flows.sweep import rl_sweep
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers.history import flow_run_artifacts
 
 

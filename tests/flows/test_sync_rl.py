@@ -16,7 +16,7 @@ from flows.sync_rl import sync_rl
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
 from miles.run import RLRun
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff, sglang_overrides
 from tests.helpers.faults import assert_whole_rollouts, fault_before, freeze_then_kill, sglang_server_pid
 from tests.helpers.history import flow_run_artifacts, retried_task_runs, stored_task_runs

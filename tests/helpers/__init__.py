@@ -102,12 +102,12 @@ def weights_directory(model_dir, weights: dict, directory) -> Path:
 
 
 def weights_probe(model_dir, weights: dict, atol: float = 0.05, dtype: str = "float32"):
-    """The push check of `weights` (miles.weight_check), taken here as the trainer takes it, of the weights as
+    """The push check of `weights` (miles.weights.check), taken here as the trainer takes it, of the weights as
     served in `dtype`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from miles.weight_check import take_probe
+    from miles.weights.check import take_probe
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.load_state_dict(weights)
@@ -119,7 +119,7 @@ def weights_push(rollout, model_dir, weights: dict, version: int, directory):
     model directory (under `directory`, one per version) for SGLang."""
     import ray
 
-    from miles.placement import weight_transport
+    from miles.cluster.placement import weight_transport
     from miles.rollout.weight_transport import DiskPush, ObjectStorePush
 
     probe = weights_probe(model_dir, weights)
@@ -150,6 +150,6 @@ def small_llama(vocab: int = 50, **config):
 
 def write_checkpoint(target: Path, rollout_id: int, state: dict, write_files) -> Path:
     """A checkpoint directory as a single trainer worker commits one (`write_files(staging)` fills it)."""
-    from miles.checkpoint import write_checkpoint_from_ranks
+    from miles.state.checkpoint import write_checkpoint_from_ranks
 
     return write_checkpoint_from_ranks(target, rollout_id, state, 0, write_files)

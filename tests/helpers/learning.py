@@ -18,7 +18,7 @@ from pathlib import Path
 from miles.config import embedded_adapters, load_config
 from miles.envs.arithmetic import task_rows
 from miles.models import ensure_embedded_model
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 # Of the default's 300. Measured (start 0.304, greedy accuracy on the whole task): GSPO, RLOO and GAE gain +0.041,
 # +0.055 and +0.048 at rollout 60 (+0.041, +0.053, +0.029 at 50; +0.051, +0.054, +0.053 at 100), their sampled reward

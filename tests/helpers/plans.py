@@ -1,4 +1,4 @@
-"""Plans (miles.placement.plan_placement) of several configs on simulated GPU clusters, one cluster per shape. Run as a
+"""Plans (miles.cluster.placement.plan_placement) of several configs on simulated GPU clusters, one cluster per shape. Run as a
 script (its own Ray, apart from the test session's), with a JSON list of cases on standard input, each
 {"shape": [nodes, gpus_per_node], "config": path or null, "overrides": [...]}; prints, as JSON on its last line, each
 case's placement record, or its refusal."""
@@ -13,9 +13,9 @@ from itertools import groupby
 def main() -> None:
     import ray
 
-    from miles.cluster import ensure_ray
+    from miles.cluster.actors import ensure_ray
+    from miles.cluster.placement import plan_placement, simulated_cluster
     from miles.config import load_config
-    from miles.placement import plan_placement, simulated_cluster
     from miles.train.algorithms import resolve_estimator
 
     cases = json.load(sys.stdin)

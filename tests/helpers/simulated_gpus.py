@@ -1,6 +1,6 @@
 """Runs on a simulated GPU node: a Ray cluster (ray.cluster_utils.Cluster) whose node declares 8 GPUs that do not
 exist, so that Ray's GPU accounting, placement groups and CUDA_VISIBLE_DEVICES are real while torch runs on the CPU
-(MILES_SIMULATED_GPUS, miles.placement). Run as a script (its own Ray, apart from the test session's):
+(MILES_SIMULATED_GPUS, miles.cluster.placement). Run as a script (its own Ray, apart from the test session's):
 
     python -m tests.helpers.simulated_gpus MODEL_DIR WORK_DIR
 
@@ -22,12 +22,12 @@ GPUS_PER_NODE = 8
 def main(model_dir: str, work_dir: str) -> None:
     import ray
 
+    from miles.cluster.placement import location_of, simulated_cluster
     from miles.engines.base import GenerateRequest
     from miles.loop import run_multi_lora, run_sync
-    from miles.multi_lora import MultiLoRARun
-    from miles.placement import location_of, simulated_cluster
+    from miles.multi_lora.run import MultiLoRARun
     from miles.rollout.inference_controller import InferenceController
-    from miles.run_dir import RunDir
+    from miles.state.run_dir import RunDir
     from tests.helpers import sglang_overrides, small_config_for
 
     work = Path(work_dir)

@@ -1,4 +1,4 @@
-"""A sync run on a simulated Ray cluster of three one-CPU nodes (miles.placement.simulated_cluster): the engine on one node,
+"""A sync run on a simulated Ray cluster of three one-CPU nodes (miles.cluster.placement.simulated_cluster): the engine on one node,
 two trainer workers spread over the other two. Run as a script (its own Ray, apart from the test session's); prints
 where each actor ran and what was trained, as JSON."""
 
@@ -10,11 +10,11 @@ import sys
 import ray
 
 from miles import schedules
+from miles.cluster.placement import simulated_cluster
 from miles.config import load_config
 from miles.loop import plain_steps
-from miles.placement import simulated_cluster
 from miles.run import RLRun
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import small_overrides
 
 

@@ -8,7 +8,7 @@ import uuid
 
 import torch
 
-from miles.weight_group import WeightGroup, join, leave, send_bucket, tensor_specs
+from miles.weights.group import WeightGroup, join, leave, send_bucket, tensor_specs
 
 
 def new_group(world_size: int = 2) -> WeightGroup:

@@ -1,9 +1,9 @@
-"""miles.alerts on hand-written iteration records."""
+"""miles.observe.alerts on hand-written iteration records."""
 
 import math
 
-from miles.alerts import RewardCollapse, unhealthy
 from miles.config import AlertsConfig
+from miles.observe.alerts import RewardCollapse, unhealthy
 
 ALERTS = AlertsConfig(reward_collapse_window=2, reward_collapse_drop=0.5, failed_reward_fraction=0.5)
 

@@ -1,10 +1,10 @@
-"""miles.atomic: files and JSON written whole or not at all."""
+"""miles.state.atomic: files and JSON written whole or not at all."""
 
 import json
 
 import pytest
 
-from miles.atomic import write_json_atomic
+from miles.state.atomic import write_json_atomic
 
 
 def test_write_json_atomic_creates_parents_and_round_trips(tmp_path):

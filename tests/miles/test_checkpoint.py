@@ -1,4 +1,4 @@
-"""miles.checkpoint: optimizer state through torch.distributed.checkpoint as safetensors + JSON, checkpoint dirs with
+"""miles.state.checkpoint: optimizer state through torch.distributed.checkpoint as safetensors + JSON, checkpoint dirs with
 checksums. (Saving with N ranks and loading with M is tested in tests/miles/train/test_trainer_group.py.)"""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import shutil
 import pytest
 import torch
 
-from miles import checkpoint as ckpt
-from miles.checkpoint import (
+from miles.state import checkpoint as ckpt
+from miles.state.checkpoint import (
     checkpoint_problem,
     latest_checkpoint,
     load_optimizer,
     read_state,
     save_optimizer,
 )
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import write_checkpoint
 
 # ---------------------------------------------------------------- optimizer files
@@ -184,7 +184,7 @@ def test_damaged_latest_checkpoint_is_reported_set_aside_and_the_previous_used(t
     _complete(tmp_path, 1)
     damaged = _complete(tmp_path, 3)
     damage(damaged / "model" / "weights.bin")
-    with caplog.at_level("WARNING", logger="miles.checkpoint"):
+    with caplog.at_level("WARNING", logger="miles.state.checkpoint"):
         latest = latest_checkpoint(RunDir(tmp_path).checkpoints)
     assert latest == RunDir(tmp_path).checkpoint(1)
     assert problem in caplog.text and str(damaged) in caplog.text

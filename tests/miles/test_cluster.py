@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from miles.cluster import ActorGroup, ActorLost, RestartableActor
+from miles.cluster.actors import ActorGroup, ActorLost, RestartableActor
 from tests.helpers.faults import actor_pid, freeze_then_kill
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.cluster.placement import ray_actors
 from miles.config import (
     MID_RUN_FIELDS,
     AdapterConfig,
@@ -17,7 +18,6 @@ from miles.config import (
     load_config,
 )
 from miles.config.base import changes_freely
-from miles.placement import ray_actors
 
 
 def test_defaults_validate():

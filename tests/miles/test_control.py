@@ -10,11 +10,12 @@ from safetensors.torch import load_file
 
 from miles import schedules
 from miles.config import ConfigChange, ConfigError, MidRunSettings
+from miles.graphs import GRAPHS
 from miles.loop import plain_steps, run_multi_lora, run_sync
-from miles.multi_lora import MultiLoRARun
+from miles.multi_lora.run import MultiLoRARun
 from miles.rollout.store import RolloutStore
 from miles.run import RLRun
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import final_weights, max_abs_diff, small_config_for
 from tests.helpers.faults import assert_same_samples
 
@@ -149,7 +150,7 @@ def _run_adapters(config, control) -> dict[str, list[int]]:
     trained: dict[str, list[int]] = {}
     with MultiLoRARun(config) as run, plain_steps() as steps:
         control.run = run
-        for adapter, rollout_id in schedules.multi_lora(run, replace(steps, control=control)):
+        for adapter, rollout_id in GRAPHS["multi-lora"].schedule(run, replace(steps, control=control)):
             adapter.finish_iteration(rollout_id)
             trained.setdefault(adapter.name, []).append(rollout_id)
     return trained

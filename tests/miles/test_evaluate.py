@@ -7,7 +7,7 @@ import math
 import pytest
 
 from miles.config import EvalDatasetConfig
-from miles.evaluate import EvalSet, eval_metrics, pass_at_k, pass_ks
+from miles.evaluation.evaluate import EvalSet, eval_metrics, pass_at_k, pass_ks
 
 
 @pytest.mark.parametrize(

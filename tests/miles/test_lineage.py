@@ -10,7 +10,7 @@ from miles.data import DataSource, load_rows
 from miles.lineage import SOURCE_TREE, describe
 from miles.loop import run_sync
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 BATCH = 8  # prompts per rollout of the small config
 

@@ -1,12 +1,12 @@
-"""The memory budget per GPU (miles.memory_budget), on hand-computed values."""
+"""The memory budget per GPU (miles.cluster.memory_budget), on hand-computed values."""
 
 from __future__ import annotations
 
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from miles.cluster.memory_budget import GIB, ModelShape, budget, colocated_engine_share, resident_bytes, trainer_parts
 from miles.config import load_config
-from miles.memory_budget import GIB, ModelShape, budget, colocated_engine_share, resident_bytes, trainer_parts
 
 SHAPE = ModelShape(parameters=10**9, layers=10, hidden=1000, dtype="bfloat16")
 GPU_RUN = [

@@ -1,10 +1,10 @@
-"""miles.multi_lora input checks (the runs themselves: tests/flows/test_multi_lora.py, tests/e2e/test_learning_concurrent.py)."""
+"""miles.multi_lora.run input checks (the runs themselves: tests/flows/test_multi_lora.py, tests/e2e/test_learning_concurrent.py)."""
 
 import pytest
 
+from miles.cluster.placement import ray_actors
 from miles.config import ConfigError, load_config
-from miles.multi_lora import check_adapter_inputs, resolve_adapters
-from miles.placement import ray_actors
+from miles.multi_lora.run import check_adapter_inputs, resolve_adapters
 
 
 def test_embedded_model_defaults_to_one_adapter_per_built_in_task():

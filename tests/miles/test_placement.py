@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from miles.placement import Location, check_transport
+from miles.cluster.placement import Location, check_transport
 
 
 def _at(node: str, *gpus: str) -> Location:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = """
 import json, os, sys, time
 import ray
-from miles.cluster import ensure_ray
+from miles.cluster.actors import ensure_ray
 
 ensure_ray(None, actors=2)
 

@@ -4,7 +4,7 @@ import pytest
 
 from miles.resume import ResumePlan
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from tests.helpers import write_checkpoint
 from tests.helpers.samples import rollout_table
 

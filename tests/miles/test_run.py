@@ -15,12 +15,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoTokenizer
 
 from miles import schedules
-from miles.checkpoint import latest_checkpoint, read_state
 from miles.config import ConfigError, load_config
 from miles.loop import plain_steps, run_sync
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.run import RLRun, check_inputs
-from miles.run_dir import RunDir
+from miles.state.checkpoint import latest_checkpoint, read_state
+from miles.state.run_dir import RunDir
 from miles.train.actor import TrainActor
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff
 

@@ -3,7 +3,7 @@
 import json
 
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 # ---------------------------------------------------------------- ledger
 
@@ -131,7 +131,7 @@ def test_a_metrics_line_cut_short_is_left_out_and_written_over(tmp_path, caplog)
     run_dir.append_metrics({"rollout_id": 0, "reward_mean": 0.5})
     with run_dir.metrics_path.open("a") as f:
         f.write('{"rollout_id": 1, "rew')  # the process was killed while writing it
-    with caplog.at_level("WARNING", logger="miles.run_dir"):
+    with caplog.at_level("WARNING", logger="miles.state.run_dir"):
         assert run_dir.metrics() == [{"rollout_id": 0, "reward_mean": 0.5}]
     assert f"{run_dir.metrics_path}: line 2 is cut short or damaged" in caplog.text
     assert run_dir.keep_metrics_before(1) == [{"rollout_id": 0, "reward_mean": 0.5}]

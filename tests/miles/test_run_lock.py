@@ -13,9 +13,9 @@ import uuid
 
 import pytest
 
-from miles import run_lock
-from miles.run_dir import RunDir
-from miles.run_lock import RunLock
+from miles.state import run_lock
+from miles.state.run_dir import RunDir
+from miles.state.run_lock import RunLock
 from tests.helpers.waiting import eventually
 
 
@@ -70,7 +70,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, cap
         (tmp_path / "run.lock").write_text(str(pid))
     else:
         write_lock(tmp_path / "run.lock", **this_host(pid, start=1))
-    with caplog.at_level(logging.WARNING, logger="miles.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="miles.state.run_lock"):
         lock = RunDir(tmp_path).lock()
     assert read_lock(tmp_path / "run.lock")["pid"] == os.getpid()
     assert "stale lock" in caplog.text and f"process {pid} " in caplog.text and "dead" in caplog.text
@@ -86,7 +86,7 @@ def test_lock_of_another_host_is_refused_while_its_lease_runs_and_taken_over_aft
     assert read_lock(tmp_path / "run.lock")["host"] == "trainer-7"
 
     write_lock(tmp_path / "run.lock", heartbeat=time.time() - run_lock.LEASE_S - 5)
-    with caplog.at_level(logging.WARNING, logger="miles.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="miles.state.run_lock"):
         lock = RunDir(tmp_path).lock()
     assert read_lock(tmp_path / "run.lock")["host"] == socket.gethostname()
     assert "process 4242 on trainer-7" in caplog.text and "lease expired" in caplog.text
@@ -107,7 +107,7 @@ def test_a_pid_of_this_host_is_judged_by_its_process_not_its_heartbeat(tmp_path)
 def test_lock_of_a_reused_pid_is_taken_over(tmp_path, caplog):
     parent = os.getppid()  # alive, but not the process that wrote the lock: that one started at another time
     write_lock(tmp_path / "run.lock", **this_host(parent, start=run_lock._start_time(parent) - 1))
-    with caplog.at_level(logging.WARNING, logger="miles.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="miles.state.run_lock"):
         lock = RunDir(tmp_path).lock()
     assert read_lock(tmp_path / "run.lock")["pid"] == os.getpid()
     assert f"process {parent} " in caplog.text and "another process" in caplog.text
@@ -116,7 +116,7 @@ def test_lock_of_a_reused_pid_is_taken_over(tmp_path, caplog):
 
 def test_an_unreadable_lock_is_taken_over(tmp_path, caplog):
     (tmp_path / "run.lock").write_text('{"host": "trainer-7", "pi')
-    with caplog.at_level(logging.WARNING, logger="miles.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="miles.state.run_lock"):
         RunDir(tmp_path).lock().release()
     assert "cannot be read" in caplog.text
 
@@ -137,7 +137,7 @@ def test_the_heartbeat_stops_when_the_lock_was_taken_over(tmp_path, monkeypatch,
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.02)
     lock = RunDir(tmp_path).lock()
     taker = write_lock(tmp_path / "run.lock")  # another host took it over (this process stalled past its lease)
-    with caplog.at_level(logging.ERROR, logger="miles.run_lock"):
+    with caplog.at_level(logging.ERROR, logger="miles.state.run_lock"):
         assert eventually(lambda: not lock._thread.is_alive(), timeout_s=5)
     assert "lost the lock" in caplog.text
     lock.release()
@@ -198,7 +198,7 @@ def test_threads_racing_to_take_over_one_stale_lock_one_wins(tmp_path):
 RACER = textwrap.dedent(
     """
     import sys, time
-    from miles.run_lock import RunLock
+    from miles.state.run_lock import RunLock
     time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
     try:
         lock = RunLock(sys.argv[1])

@@ -1,6 +1,6 @@
-"""miles.seeds: every derived seed is a pure function of the run seed and a name or rollout_id."""
+"""miles.state.seeds: every derived seed is a pure function of the run seed and a name or rollout_id."""
 
-from miles.seeds import adapter_init_seed, adapter_run_seed, rollout_seed
+from miles.state.seeds import adapter_init_seed, adapter_run_seed, rollout_seed
 
 
 def test_rollout_seed_is_pinned_per_rollout():

@@ -8,9 +8,9 @@ import pytest
 
 from flows.cli import main
 from miles.config import AdapterConfig, ConfigError, DataConfig
-from miles.multi_lora import adapter_states, check_tenant, submit_tenant, withdraw_adapter
-from miles.run_dir import RunDir
-from miles.tenants import TenantBook
+from miles.multi_lora.run import adapter_states, check_tenant, submit_tenant, withdraw_adapter
+from miles.multi_lora.tenants import TenantBook
+from miles.state.run_dir import RunDir
 
 CONFIGURED = "adapters=[{name: add, data: {task: addition}, num_steps: 3}]"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles.run_dir import RunDir
-from miles.trackers import Trackers
+from miles.observe.trackers import Trackers
+from miles.state.run_dir import RunDir
 from tests.helpers.wandb_records import history
 
 CONFIG = {"rollout": {"engine": "torch", "n_samples_per_prompt": 8}, "train": {"lr": 0.001}}

@@ -1,11 +1,11 @@
-"""The push check's pieces (miles.weight_check): when a push counts as lost, and the digests it compares."""
+"""The push check's pieces (miles.weights.check): when a push counts as lost, and the digests it compares."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from miles.weight_check import WeightProbe, device_sum, model_fingerprint, take_probe, weights_checksum
+from miles.weights.check import WeightProbe, device_sum, model_fingerprint, take_probe, weights_checksum
 from tests.helpers import small_llama
 
 

@@ -7,7 +7,7 @@ import ray
 import torch
 
 from miles.engines.torch_engine import TorchEngine
-from miles.weight_group import FLATTENED, flatten, unflatten
+from miles.weights.group import FLATTENED, flatten, unflatten
 from tests.helpers import perturbed_weights
 from tests.helpers.weight_sender import Sender, bucket_specs, in_buckets, new_group
 
@@ -71,7 +71,7 @@ def test_the_rendezvous_listens_on_its_host_alone():
 
     import psutil
 
-    from miles.weight_group import rendezvous_store
+    from miles.weights.group import rendezvous_store
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

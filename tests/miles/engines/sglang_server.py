@@ -65,7 +65,7 @@ from transformers import AutoTokenizer
 
 from miles.engines.base import MEMORY_TAGS, GenerateRequest, SamplingParams, eos_token_ids
 from miles.engines.torch_engine import TorchEngine
-from miles.weight_group import WeightGroup, join, leave, receive_bucket
+from miles.weights.group import WeightGroup, join, leave, receive_bucket
 
 SGLANG_DEFAULT_SEED = 42  # the sampling_seed SGLang uses when a request sets none
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from miles.cluster.placement import weight_transport
 from miles.config import load_config
 from miles.engines import resolve_engine
-from miles.placement import weight_transport
 from miles.registry import ENGINES
 from tests.helpers.engine_contract import contract_violations
 

@@ -17,9 +17,9 @@ import torch
 
 from miles.config import RolloutConfig, SGLangConfig
 from miles.engines.sglang_engine import SGLangEngine
-from miles.tensor_payload import serialize_bucket
-from miles.weight_check import WeightProbe
-from miles.weight_group import FLATTENED
+from miles.weights.check import WeightProbe
+from miles.weights.group import FLATTENED
+from miles.weights.payload import serialize_bucket
 from tests.helpers import weights_directory, weights_probe
 from tests.helpers.weight_sender import Sender, bucket_specs, in_buckets, new_group
 

@@ -25,8 +25,8 @@ from miles.config import SGLangConfig
 from miles.engines.base import EngineUnavailable, GenerateRequest, GenerationProgress, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine, token_versions
 from miles.engines.torch_engine import TorchEngine
-from miles.tensor_payload import serialize_bucket
-from miles.weight_group import FLATTENED
+from miles.weights.group import FLATTENED
+from miles.weights.payload import serialize_bucket
 from tests.helpers import SGLANG_STAND_IN, perturbed_weights, weights_directory, weights_probe
 from tests.helpers.samples import ADAPTER_PROMPTS, make_requests
 from tests.helpers.waiting import eventually

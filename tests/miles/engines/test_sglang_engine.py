@@ -25,7 +25,7 @@ from miles.engines import sglang_engine
 from miles.engines.base import EngineUnavailable, GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import SGLangEngine, choose_attention_backend, token_versions
 from miles.engines.torch_engine import TorchEngine
-from miles.weight_group import FLATTENED
+from miles.weights.group import FLATTENED
 from tasks.retries import NOT_RETRIED
 from tests.helpers import GPU_ATTENTION_BACKEND, SGLANG_STAND_IN, perturbed_weights, weights_directory, weights_probe
 from tests.helpers.engine_contract import contract_violations

@@ -21,14 +21,14 @@ import httpx
 import pytest
 import torch
 
+from miles.cluster.memory_budget import colocated_engine_share
 from miles.config import AdapterConfig, ModelConfig, RolloutConfig, SGLangConfig, load_config
 from miles.engines import sglang_engine
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.sglang_engine import CPU_KV_CACHE_TOKENS, SGLangEngine
-from miles.memory_budget import colocated_engine_share
 from miles.models.tiny import build_tiny_model
-from miles.tensor_payload import serialize_bucket
-from miles.weight_group import FLATTENED, WeightGroup
+from miles.weights.group import FLATTENED, WeightGroup
+from miles.weights.payload import serialize_bucket
 from tests.helpers.sglang_rules import H100_MEMORY_MIB
 
 pytestmark = pytest.mark.sglang_contract
@@ -226,7 +226,7 @@ def _request_bodies(tmp_path: Path) -> list[tuple[str, dict]]:
 
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, stop_token_ids=(2,))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
-    seed = 2**62 - 1  # the largest first seed of a rollout (miles.seeds)
+    seed = 2**62 - 1  # the largest first seed of a rollout (miles.state.seeds)
     batch = [GenerateRequest([1, 5, 6, 7], sampled, seed=seed), GenerateRequest([1, 8], greedy, seed=seed + 1)]
     engine.generate(batch)
     engine.sequence_logprobs([1, 5, 6, 7, 2])

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from miles.engines.base import eos_token_ids
 from miles.engines.torch_engine import TorchEngine
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs

@@ -13,7 +13,7 @@ from miles.engines.base import GenerateRequest, SamplingParams, eos_token_ids
 from miles.engines.torch_engine import TorchEngine
 from miles.loop import run_sync
 from miles.rewards.models import GenerativeJudge, RewardModel, same_answer, score, yes_no
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 
 PROMPTS = ["12+30=", "7+8=", "45+5=", "3+3="]
 

@@ -12,7 +12,7 @@ from miles.engines.base import GenerateResult, SamplingParams
 from miles.rollout.episodes import ReplyEncoder, run_episodes
 from miles.rollout.generation import GenerateClient, RolloutSample, resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
-from miles.seeds import turn_seed
+from miles.state.seeds import turn_seed
 from tests.helpers.chat import build_chat_tokenizer
 
 ENVS = "tests.miles.envs.envs_for_tests"

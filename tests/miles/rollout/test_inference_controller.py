@@ -286,9 +286,9 @@ def test_a_tensor_push_stopped_between_buckets_ends_every_session_and_is_pushed_
     A server that dies on the first bucket of version 2 while the other has loaded it: the dead one restarts with the
     trainer's weights, the other ends its push and generates again, and version 2 is not taken as served though the
     restarted engine holds it whole: the retry pushes every engine whole, and both serve the trainer's weights."""
-    from miles.cluster import RestartableActor
+    from miles.cluster.actors import RestartableActor
     from miles.rollout.weight_transport import TensorPush, TrainerWeights
-    from miles.run_dir import RunDir
+    from miles.state.run_dir import RunDir
     from miles.train.actor import TrainActor
     from miles.train.group import start_trainer_group
 

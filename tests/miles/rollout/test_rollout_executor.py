@@ -16,7 +16,7 @@ from miles.rollout.inference_controller import InferenceController
 from miles.rollout.rollout_executor import PromptOrder, RolloutExecutor, scorer_identity
 from miles.rollout.schema import ROLLOUT_SCHEMA
 from miles.rollout.store import DamagedRollout, RolloutStore
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.algorithms.estimators import ReMax, trained_tokens
 from tests.helpers.samples import rollout_table
 

@@ -7,7 +7,6 @@ import os
 import pyarrow as pa
 import pytest
 
-from miles import atomic as atomic_module
 from miles.rollout.schema import (
     ROLLOUT_SCHEMA,
     SCHEMA_VERSION,
@@ -16,7 +15,8 @@ from miles.rollout.schema import (
     with_rollout_metadata,
 )
 from miles.rollout.store import RolloutStore
-from miles.run_dir import RunDir
+from miles.state import atomic as atomic_module
+from miles.state.run_dir import RunDir
 from tests.helpers.samples import rollout_table
 
 

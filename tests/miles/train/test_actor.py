@@ -8,12 +8,12 @@ import torch
 from transformers import AutoTokenizer
 
 from miles.engines.torch_engine import TorchEngine
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train import actor as actor_module
 from miles.train.actor import TrainActor
 from miles.train.batch import batch_from_table
 from miles.train.update import batch_logprobs
-from miles.weight_group import FLATTENED
+from miles.weights.group import FLATTENED
 from tests.helpers.samples import grpo_advantages, make_requests, seeded, training_table
 from tests.helpers.weight_sender import new_group
 
@@ -152,7 +152,7 @@ def test_a_checkpoint_keeps_the_models_dtype_and_resumes_from_float32_master_wei
     """A bf16 model's checkpoint is bf16 (half the bytes of the trainer's fp32 weights, config.json says so, the tied
     head stored once); the trainer's fp32 master weights are in the optimizer's shards, and a trainer resumed from
     the checkpoint holds them exactly and steps on exactly as the one that saved it."""
-    from miles.checkpoint import MODEL_DIR
+    from miles.state.checkpoint import MODEL_DIR
 
     RunDir(tmp_path).create()
     config = small_config(run_dir=str(tmp_path))

@@ -12,7 +12,7 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer
 from miles.engines.torch_engine import TorchEngine
 from miles.loop import run_sync
 from miles.run import RLRun
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.batch import RETURNS, VALUES
 from miles.train.critic import CriticActor
 from tests.helpers import RECOVERY_RUN, final_weights, max_abs_diff

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.batch import batch_from_table
 from miles.train.lora import LoRATrainActor, is_adapter_key
 from miles.train.update import batch_logprobs

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from miles.config import AdapterConfig
 from miles.engines.torch_engine import TorchEngine
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
 from tests.helpers import max_abs_diff, relative_distance

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoTokenizer
 
 from miles.engines.torch_engine import TorchEngine
-from miles.run_dir import RunDir
+from miles.state.run_dir import RunDir
 from miles.train.actor import TrainActor
 from miles.train.group import start_trainer_group
 from miles.train.update import rank_rows

@@ -154,7 +154,7 @@ ENGINE_CONCURRENCY = 64  # calls an engine actor takes at once: generations of e
 def actor_options(device: str = "cpu", gpus: int = 1, concurrency: int = 1) -> dict:
     # One logical CPU per actor: Ray schedules, torch.set_num_threads decides the real threads. A CUDA actor asks for
     # whole GPUs: Ray puts a fractional request on the fullest GPU that still fits, so engines asking for slivers would
-    # all land on one device (colocation is asked for, miles.placement).
+    # all land on one device (colocation is asked for, miles.cluster.placement).
     options = {"num_cpus": 1, "max_concurrency": concurrency}
     if device.startswith("cuda"):
         options["num_gpus"] = gpus

@@ -14,14 +14,14 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from miles.atomic import write_json_atomic
-from miles.checkpoint import MODEL_DIR, checkpoint_problem
-from miles.cluster import ensure_ray
+from miles.cluster.actors import ensure_ray
 from miles.config import ConfigError, RunConfig, recorded_changes
-from miles.evaluate import Evaluation, load_eval_sets
+from miles.evaluation.evaluate import Evaluation, load_eval_sets
 from miles.rollout.inference_controller import InferenceController
-from miles.run_dir import RunDir
-from miles.weight_version import trained_version
+from miles.state.atomic import write_json_atomic
+from miles.state.checkpoint import MODEL_DIR, checkpoint_problem
+from miles.state.run_dir import RunDir
+from miles.weights.version import trained_version
 
 log = logging.getLogger(__name__)
 

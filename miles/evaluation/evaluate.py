@@ -27,7 +27,7 @@ from miles.engines.base import SamplingParams
 from miles.rewards import RewardFn, resolve_reward
 from miles.rollout.generation import GenerateClient, RolloutSample, SampleRecord, resolve_generate_fn
 from miles.rollout.inference_controller import InferenceController
-from miles.seeds import eval_seed
+from miles.state.seeds import eval_seed
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
     <name>.withdrawn.json  a withdrawal (when, why): the adapter is saved and retired at its next iteration boundary
     <name>.failed.json     a failure (what failed): its branch ended, it was retired, and a restart does not resume it
 
-The run (miles.multi_lora.MultiLoRARun) admits a submitted adapter at its next iteration boundary and a restart finds
+The run (miles.multi_lora.run.MultiLoRARun) admits a submitted adapter at its next iteration boundary and a restart finds
 every one here; each resumes where its own run directory (<run_dir>/adapters/<name>/) says. The adapters of the
 config can be withdrawn, and can fail, as submitted ones. Writers never rewrite a file: a submission is created
 exclusively, so two submissions of one name cannot both be taken.
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.atomic import write_json_atomic
 from miles.config import AdapterConfig, ConfigError
-from miles.run_dir import RunDir
+from miles.state.atomic import write_json_atomic
+from miles.state.run_dir import RunDir
 
 SUBMITTED, WITHDRAWN, FAILED = ".json", ".withdrawn.json", ".failed.json"
 

@@ -18,8 +18,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from miles.atomic import write_json_atomic
-from miles.run_dir import RunDir, is_evaluation
+from miles.state.atomic import write_json_atomic
+from miles.state.run_dir import RunDir, is_evaluation
 
 log = logging.getLogger(__name__)
 

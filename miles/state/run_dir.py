@@ -2,18 +2,18 @@
 
     <run_dir>/
         run.json            the config, the starting model, package versions, one entry per start
-        run.lock            the lease of the process training the run (miles.run_lock)
+        run.lock            the lease of the process training the run (miles.state.run_lock)
         ledger.jsonl        the rollouts trained, with their metrics, a line each
         metrics.jsonl       one line per finished iteration and per evaluation of an eval data set
         rollouts/           rollout_<id>.arrow (RolloutStore)
-        checkpoints/<id>/   model or adapter, optimizer, state.json (miles.checkpoint)
+        checkpoints/<id>/   model or adapter, optimizer, state.json (miles.state.checkpoint)
         adapters/<name>/    one adapter's own run directory (multi-LoRA)
         engine_weights/<v>/ the weights last pushed to the engines (rollout.weight_transport: disk)
         reward_curve.png
         eval_<name>.png     the curve of each eval data set
 
 It imports nothing heavy: the config names adapter directories through it. The files' formats live with their
-code (miles.checkpoint, miles.rollout.store); the run directory says where they go.
+code (miles.state.checkpoint, miles.rollout.store); the run directory says where they go.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from miles.atomic import atomic_file, write_json_atomic
-from miles.run_lock import RunLock
+from miles.state.atomic import atomic_file, write_json_atomic
+from miles.state.run_lock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class RunDir:
         write_json_atomic(self.record_path, record)
 
     def record_placement(self, placement: dict[str, Any]) -> None:
-        """Where this start's actors landed (miles.placement.PlacementRecord), beside its config."""
+        """Where this start's actors landed (miles.cluster.placement.PlacementRecord), beside its config."""
         record = self._record()
         record["starts"][-1]["placement"] = placement
         write_json_atomic(self.record_path, record)

@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from miles.config import ConfigError, RunConfig, override_config
-from miles.plots import plot_reward_curves
-from miles.run_dir import RunDir
+from miles.observe.plots import plot_reward_curves
+from miles.state.run_dir import RunDir
 
 # The last iterations whose mean reward the comparison reports.
 LAST = 10

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.checkpoint import MODEL_DIR
-from miles.checkpoint_eval import checkpoint_run
+from miles.evaluation.checkpoint_eval import checkpoint_run
 from miles.lineage import describe, markdown
+from miles.state.checkpoint import MODEL_DIR
 
 
 def model_card(lineage: dict[str, Any], evaluations: list[dict[str, Any]], reviewer: str, reason: str) -> str:

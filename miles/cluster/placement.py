@@ -252,7 +252,7 @@ def check_transport(transport: str, trainer: list[Location], engines: list[Locat
 
 
 def engine_options(options: dict[str, Any], index: int, colocated: ColocatedBundles | None) -> dict[str, Any]:
-    """Ray options of engine `index`: its own (`miles.cluster.actor_options`: whole GPUs), or pair `index`'s bundle."""
+    """Ray options of engine `index`: its own (`miles.cluster.actors.actor_options`: whole GPUs), or pair `index`'s bundle."""
     return {**options, **colocated.options(index)} if colocated is not None else options
 
 
@@ -297,7 +297,7 @@ def plan_placement(config: RunConfig, critic: bool) -> PlacementRecord:
     them, and are released. A request the cluster cannot meet is refused, naming it."""
     import ray
 
-    from miles.cluster import ENGINE_CONCURRENCY, actor_options
+    from miles.cluster.actors import ENGINE_CONCURRENCY, actor_options
     from miles.engines import resolve_engine
 
     engine = resolve_engine(config.rollout.engine)
@@ -428,7 +428,7 @@ STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 
 def worker_bundle(config: RunConfig) -> dict[str, float]:
     """What one worker reserves: a CPU slot (torch.set_num_threads decides the real threads), and on CUDA a whole GPU
-    (a colocated run's pairs share theirs: miles.placement.ColocatedBundles)."""
+    (a colocated run's pairs share theirs: miles.cluster.placement.ColocatedBundles)."""
     bundle = {"CPU": 1.0}
     if on_gpus(config.train.device):
         bundle["GPU"] = 1.0

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from miles.atomic import write_json_atomic
+from miles.state.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 

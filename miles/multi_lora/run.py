@@ -27,18 +27,18 @@ from typing import Any
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from miles.cluster import ActorGroup, RestartableActor, actor_error, ensure_ray, first_line
+from miles.cluster.actors import ActorGroup, RestartableActor, actor_error, ensure_ray, first_line
+from miles.cluster.placement import ray_actors
 from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
 from miles.iterations import Iterations, PolicyInputs, PolicyRun
-from miles.placement import ray_actors
+from miles.multi_lora.tenants import TenantBook
+from miles.observe.progress import AdapterReporter, ProgressLine
 from miles.preflight import check_start
-from miles.progress import AdapterReporter, ProgressLine
 from miles.resume import ResumePlan
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
 from miles.run import check_context, check_inputs, initial_model, starting_tokenizer
-from miles.run_dir import RunDir
-from miles.tenants import TenantBook
+from miles.state.run_dir import RunDir
 from miles.train.algorithms import resolve_estimator
 from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
@@ -285,7 +285,7 @@ class AdapterRun(PolicyRun):
 
 class MultiLoRARun:
     """The shared pieces (run lock, base model, trainer groups, engines) and one AdapterRun per adapter: the configured
-    ones, and the tenants submitted to the run directory (miles.tenants), admitted at the start and at each iteration
+    ones, and the tenants submitted to the run directory (miles.multi_lora.tenants), admitted at the start and at each iteration
     boundary (`admit`). A withdrawn or failed adapter is not resumed."""
 
     def __init__(self, config: RunConfig):

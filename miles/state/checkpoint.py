@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles.atomic import write_json_atomic
+from miles.state.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 # A single unsharded trainer saves and loads without a process group, as torch.distributed.checkpoint allows.

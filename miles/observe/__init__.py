@@ -1,0 +1,1 @@
+"""What a run shows: progress lines, experiment trackers, alerts on its iterations, and its curves."""
