@@ -79,17 +79,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from flows.runtime import (
+    from control.policy import (
         ALLOW_LAUNCH_VARIABLE,
         ALLOWED_MODULES_VARIABLE,
         ALLOWED_RAY_ADDRESSES_VARIABLE,
         ALLOWED_ROOTS_VARIABLE,
+        ImportNotAllowed,
         PlaceNotAllowed,
+        check_allowed_modules,
         check_allowed_places,
-        configure_prefect,
     )
+    from flows.runtime import configure_prefect
     from miles.config import ConfigError, load_config
-    from miles.registry import ImportNotAllowed, check_allowed_modules
 
     try:
         base = load_config(args.config, args.overrides)
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     from prefect.events import DeploymentEventTrigger
 
+    from control.events import CHECKPOINT
     from flows.eval import rl_eval
-    from tasks.events import CHECKPOINT
 
     deployments.append(
         rl_eval.to_deployment(

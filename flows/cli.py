@@ -172,7 +172,7 @@ def _memory_budget(config, gpu_gib: float) -> int:
 
 
 def _automations() -> int:
-    from flows.automations import apply_automations
+    from control.automations import apply_automations
 
     for name in apply_automations():
         print(f"applied: {name}")

@@ -28,7 +28,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactCreate
 
-from flows.runtime import check_deployment_run
+from control.policy import check_deployment_run
 from miles.config import ConfigError
 from miles.evaluation.checkpoint_eval import (
     checkpoint_evaluations,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prefect.client.schemas.objects import State
 
-from flows.control import FlowRunControl
+from control.policy import check_deployment_run
+from control.requests import FlowRunControl
 from flows.report import RunReport
-from flows.runtime import check_deployment_run
 from miles.config import RunConfig
 from miles.graphs import Graph
 from tasks import STEPS

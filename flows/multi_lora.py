@@ -7,9 +7,9 @@ from contextlib import ExitStack
 
 from prefect import flow
 
-from flows.control import FlowRunControl
+from control.policy import check_deployment_run
+from control.requests import FlowRunControl
 from flows.report import RunReport
-from flows.runtime import check_deployment_run
 from miles.config import RunConfig
 from miles.graphs import GRAPHS
 from tasks import STEPS

@@ -20,10 +20,10 @@ from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from pydantic import Field
 
-from flows.control import pause_timeout_s
+from control.policy import check_deployment_run
+from control.requests import pause_timeout_s
 from flows.eval import rl_eval
 from flows.registry import FLOWS
-from flows.runtime import check_deployment_run
 from miles.config import RunConfig
 from miles.evaluation.promote import export_checkpoint, record_decision
 from miles.lineage import describe, markdown

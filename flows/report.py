@@ -14,11 +14,11 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from control.events import IterationEvents
 from miles.multi_lora.run import AdapterRun
 from miles.observe.plots import data_uri
 from miles.run import RLRun
 from tasks.artifacts import table_rows
-from tasks.events import IterationEvents
 from tasks.history import finished_task_runs
 
 TABLE_COLUMNS = (

@@ -21,8 +21,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 
+from control.policy import check_deployment_run
 from flows.registry import FLOWS
-from flows.runtime import check_deployment_run
 from miles.config import RunConfig
 from miles.evaluation import sweep
 from miles.observe.plots import data_uri

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.runtime import check_deployment_run
+from control.policy import check_deployment_run
 from miles.config import AdapterConfig
 from miles.multi_lora import run as multi_lora
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 
 def import_object(field: str, spec: str) -> object:
@@ -95,27 +95,3 @@ def check_engine_name(name: str) -> str:
 def check_algorithm_name(kind: str, name: str) -> str:
     """`name` if `algo.<kind>` may take it (the config's check; the import happens at resolve_algorithm)."""
     return check_name(name, list(ALGORITHMS[kind]))
-
-
-ALWAYS_ALLOWED = ("miles",)  # the built-ins
-
-
-def module_allowed(module: str, allowed: Sequence[str]) -> bool:
-    """Whether `module` is one of the allowed packages or modules, or inside one."""
-    return any(module == name or module.startswith(f"{name}.") for name in (*ALWAYS_ALLOWED, *allowed))
-
-
-def check_allowed_modules(import_paths: dict[str, str], allowed: Sequence[str], where: str) -> None:
-    """Refuse, before any work, every import path outside the allowed modules: one line per field."""
-    refused = [
-        f"  {field}: module {spec.partition(':')[0]!r} is not allowed"
-        for field, spec in import_paths.items()
-        if not module_allowed(spec.partition(":")[0], allowed)
-    ]
-    if refused:
-        allowed_list = ", ".join((*ALWAYS_ALLOWED, *allowed))
-        raise ImportNotAllowed(f"{where}: imports are allowed only from {allowed_list}:\n" + "\n".join(refused))
-
-
-class ImportNotAllowed(ValueError):
-    """A config names code that the place running it does not allow."""

@@ -39,7 +39,7 @@ class Releasable(Protocol):
 
 class Control(Protocol):
     """What a user asks of a running schedule, which it does at the next iteration boundary, with nothing in flight
-    (flows/control.py: the Prefect UI, API and automations)."""
+    (control/requests.py: the Prefect UI, API and automations)."""
 
     def requested(self) -> Literal["pause", "cancel"] | None: ...
 

@@ -1,11 +1,11 @@
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
+from control.events import emit_checkpoint
 from miles.lineage import describe, markdown
 from miles.multi_lora.run import AdapterRun
 from miles.run import RLRun
 from tasks.artifacts import artifact_key
-from tasks.events import emit_checkpoint
 from tasks.options import task_options
 
 

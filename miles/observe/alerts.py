@@ -1,5 +1,5 @@
 """Alerts on a run's iterations: an unhealthy iteration, and a reward that collapsed. Pure functions of the iteration
-records (metrics.jsonl lines); the flows emit an event for each alert (tasks/events.py).
+records (metrics.jsonl lines); the flows emit an event for each alert (control/events.py).
 
 Conventions: an iteration is unhealthy when a watched value it has (WATCHED) is NaN or infinite, or when the reward
 failed on at least alerts.failed_reward_fraction of its samples (a reward that returns NaN or infinity, raises or times

@@ -9,9 +9,9 @@ from prefect.client.schemas.filters import FlowFilter, FlowRunFilter
 from prefect.states import Cancelling, Paused
 from safetensors.torch import load_file
 
+from control.requests import resume
 from flows.async_rl import async_rl
 from flows.cli import main as miles
-from flows.control import resume
 from flows.multi_lora import multi_lora
 from flows.sync_rl import sync_rl
 from miles.config import ConfigError

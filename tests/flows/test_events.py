@@ -10,12 +10,12 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.states import Running
 
+from control.events import STALLED
+from control.requests import PAUSING, resume
 from flows.cli import main as miles
-from flows.control import PAUSING, resume
 from flows.sync_rl import sync_rl
 from miles.rewards import digit_match
 from miles.state.run_dir import RunDir
-from tasks.events import STALLED
 from tests.flows.test_control import _operate, _state
 from tests.helpers.history import flow_run_artifacts
 from tests.helpers.waiting import eventually

@@ -61,7 +61,7 @@ def test_the_ephemeral_api_server_idles_leaves_the_process_group_and_dies_with_i
 
 
 def test_a_deployment_can_restrict_paths_to_roots_and_ray_to_its_clusters(tmp_path):
-    from flows.runtime import PlaceNotAllowed, check_allowed_places
+    from control.policy import PlaceNotAllowed, check_allowed_places
     from miles.config import load_config
 
     root = tmp_path / "runs"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
+from control.policy import ImportNotAllowed, check_allowed_modules, module_allowed
 from miles.config import IMPORT_PATH, RunConfig, load_config
 from miles.config.base import has_mark
-from miles.registry import ImportNotAllowed, check_allowed_modules, module_allowed
 
 
 def test_a_config_lists_every_import_path_it_names_by_field():

@@ -2,7 +2,7 @@
 
 Asking (any of these, at any time; the iteration in flight finishes first, the async graphs drain what is in flight):
 - `miles pause FLOW_RUN_ID [--release]` (a Running state named Pausing, or Pausing to release), or an automation
-  that sets one of those (flows/automations.py): pause, without the flow run's tasks ever waiting;
+  that sets one of those (control/automations.py): pause, without the flow run's tasks ever waiting;
 - a Paused state set through the API or by an automation's change-state action: pause;
 - the UI's Cancel, `prefect flow-run cancel`, `miles cancel` (a Running state named Stopping): cancel.
 The UI's Pause on a deployment's flow run is Prefect's own suspend (a Suspended state), left to Prefect: the flow

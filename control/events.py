@@ -9,7 +9,7 @@ derived from the run directory and rollout, so a retried step's event is the sam
 - `miles.checkpoint.saved`: a checkpoint (its resource, labelled with its path, kind (model or adapter), rollout,
   run directory and the flow run that saved it): rl-eval's trigger.
 
-Automations: flows/automations.py ships those that pause a run on either alert; each flow run keeps one of its own that flags it Stalled (a Running state of that name) when neither an iteration nor a
+Automations: control/automations.py ships those that pause a run on either alert; each flow run keeps one of its own that flags it Stalled (a Running state of that name) when neither an iteration nor a
 change of its state has come for alerts.stall_factor times its median iteration time (at least alerts.min_stall_s),
 and deletes it at its end; a crashed flow process is flagged so too. They need an API whose triggers
 service runs (`prefect server start`); the embedded API runs none.

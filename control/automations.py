@@ -1,5 +1,5 @@
 """The automations miles ships: pause a run at its next iteration boundary (holding its engines and trainer) on a
-unhealthy iteration (a value not finite, a reward failing on many samples) or a collapsed reward (tasks/events.py emits both). `miles automations apply` creates them, or
+unhealthy iteration (a value not finite, a reward failing on many samples) or a collapsed reward (control/events.py emits both). `miles automations apply` creates them, or
 updates those of the same name, on the API that PREFECT_API_URL names; they act where the triggers service runs
 (`prefect server start`; the embedded API runs none)."""
 
@@ -10,8 +10,8 @@ from datetime import timedelta
 from prefect.automations import Automation, ChangeFlowRunState, EventTrigger, Posture
 from prefect.client.schemas.objects import StateType
 
-from flows.control import PAUSING
-from tasks.events import COLLAPSED, UNHEALTHY
+from control.events import COLLAPSED, UNHEALTHY
+from control.requests import PAUSING
 
 
 def shipped_automations() -> list[Automation]:
