@@ -3,7 +3,7 @@
 Each adapter trains --steps rollouts of the embedded task (addition), --prompts prompts x --samples samples each.
 Service side: a multi-LoRA run (the plain loop, in a thread) has started its engine and trainer group for a first
 adapter of one rollout and waits for tenants (`tenants.idle_timeout_s`); the four are submitted to its run directory
-(`miles.multi_lora.run.submit_tenant`) at once, and the time runs from their submission until all four are done. The
+(`miles.multi_lora.admin.submit_tenant`) at once, and the time runs from their submission until all four are done. The
 other side runs `miles.loop.run_multi_lora` once per adapter, one after another, each starting its own engine and
 trainer group (Ray is started once for both sides). One torch thread per engine and trainer worker.
 
@@ -22,7 +22,7 @@ from benchmarks.smoke import UNTRAINED_MODEL, parse_args
 from miles.cluster.actors import ensure_ray
 from miles.config import AdapterConfig, DataConfig, load_config
 from miles.loop import run_multi_lora
-from miles.multi_lora.run import adapter_states, submit_tenant
+from miles.multi_lora.admin import adapter_states, submit_tenant
 
 TENANTS = [f"tenant-{index}" for index in range(4)]
 

@@ -219,7 +219,7 @@ def _control(args: argparse.Namespace) -> int:
 def _tenant(args: argparse.Namespace) -> int:
     """`miles tenant ...`: the run directory is the run's mailbox; no Prefect needed."""
     from miles.config import ConfigError, load_adapter_config
-    from miles.multi_lora.run import adapter_states, submit_tenant, withdraw_adapter
+    from miles.multi_lora.admin import adapter_states, submit_tenant, withdraw_adapter
 
     try:
         if args.action == "submit":

@@ -11,7 +11,8 @@ from typing import Any
 
 from miles import schedules
 from miles.config import RunConfig
-from miles.multi_lora.run import MultiLoRARun, check_adapter_inputs
+from miles.multi_lora.inputs import check_adapter_inputs
+from miles.multi_lora.run import MultiLoRARun
 from miles.multi_lora.schedule import multi_lora as multi_lora_schedule
 from miles.run import RLRun, check_fully_async, check_off_policy_correction, check_run
 from miles.schedules import Steps

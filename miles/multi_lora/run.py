@@ -18,186 +18,39 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 from transformers import AutoTokenizer
 
 from miles.cluster.actors import ActorGroup, RestartableActor, actor_error, ensure_ray, first_line
 from miles.cluster.placement import ray_actors
-from miles.config import AdapterConfig, ConfigError, RunConfig, embedded_adapters
+from miles.config import AdapterConfig, ConfigError, RunConfig
 from miles.iterations import Iterations, PolicyInputs, PolicyRun
+from miles.multi_lora.inputs import (
+    base_tasks,
+    base_tokenizer,
+    check_adapter,
+    check_adapter_inputs,
+    naming,
+    resolve_adapters,
+)
 from miles.multi_lora.tenants import TenantBook
 from miles.observe.progress import AdapterReporter, ProgressLine
-from miles.preflight import check_start
 from miles.resume import ResumePlan
 from miles.rollout.inference_controller import InferenceController
 from miles.rollout.store import RolloutStore
-from miles.run import check_context, check_inputs, initial_model, starting_tokenizer
+from miles.run import check_context, initial_model
 from miles.state.run_dir import RunDir
-from miles.train.algorithms import resolve_estimator
 from miles.train.group import start_worker_group
 from miles.train.lora import LoRATrainActor
 
 log = logging.getLogger(__name__)
 
 TENANT_POLL_S = 1.0  # how often a run with nothing to train looks for new tenants
-
-
-def resolve_adapters(config: RunConfig) -> list[AdapterConfig]:
-    """The configured adapters; on the embedded model with none configured, one per built-in task."""
-    if config.adapters:
-        return list(config.adapters)
-    if config.model.path is None:
-        return embedded_adapters()
-    raise ConfigError("adapters: the multi-LoRA flow needs at least one adapter")
-
-
-def check_adapter_inputs(config: RunConfig) -> dict[str, PolicyInputs]:
-    """Each adapter's view of the run, dataset and reward, checked before any work; errors name the adapter."""
-    adapters = resolve_adapters(config)
-    try:
-        if resolve_estimator(config.algo).needs_critic:
-            config.check_critic_group()  # refuses: adapters have no critic
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    checked = {a.name: _check_adapter(config, a, f"adapters.{i}") for i, a in enumerate(adapters)}
-    check_start(config)
-    start = _starting_tokenizer(config)
-    for index, adapter in enumerate(adapters):
-        with _naming(f"adapters.{index}", adapter):
-            check_context(checked[adapter.name], start)
-    return checked
-
-
-def check_tenant(
-    run_dir: str | Path, adapter: AdapterConfig, allowed: Callable[[RunConfig], None] | None = None
-) -> RunConfig:
-    """The multi-LoRA run at `run_dir` (its last start's config) with `adapter` added, once its name is free there,
-    `allowed` (a deployment's allow-lists) accepts that config, before anything of the adapter's is imported or read,
-    and the adapter passes what a configured one passes at a start (its view of the run, its data, reward and
-    prompts). The run need not be running: a submission waits in the run directory for its next start."""
-    directory, config = _recorded_run(run_dir)
-    taken = {a.name for a in config.adapters} | {a.name for a in TenantBook(directory).submitted()}
-    if adapter.name in taken | {p.name for p in directory.adapters_path.iterdir()}:
-        raise ConfigError(f"adapter name {adapter.name!r} is taken in {run_dir}; a name is used once in a run")
-    where = f"tenant {adapter.name}"
-    if config.rollout.engine == "sglang":  # the servers' LoRA pool is sized by the configured adapters
-        rank = max(a.rank for a in config.adapters)
-        modules = {m for a in config.adapters for m in a.target_modules}
-        if adapter.rank > rank or not set(adapter.target_modules) <= modules:
-            raise ConfigError(
-                f"{where}: rank {adapter.rank} and target_modules {adapter.target_modules} must fit the SGLang "
-                f"servers' LoRA pool (rank {rank}, modules {sorted(modules)}), sized by the run's configured adapters"
-            )
-    with_tenant = config.model_copy(update={"adapters": [*config.adapters, adapter]})
-    if allowed is not None:
-        allowed(with_tenant)
-    inputs = _check_adapter(with_tenant, adapter, where)
-    with _naming(where, adapter):
-        check_context(inputs, _starting_tokenizer(config))
-    return with_tenant
-
-
-def submit_tenant(
-    run_dir: str | Path, adapter: AdapterConfig, allowed: Callable[[RunConfig], None] | None = None
-) -> None:
-    """Submit `adapter` to the multi-LoRA run at `run_dir` once it passes check_tenant (with `allowed`); the run
-    admits it at its next iteration boundary."""
-    check_tenant(run_dir, adapter, allowed)
-    TenantBook(RunDir(run_dir)).submit(adapter)
-
-
-def withdraw_adapter(run_dir: str | Path, name: str, reason: str = "") -> None:
-    """Withdraw adapter `name` (check_withdrawal); the run saves and retires it at its next iteration boundary."""
-    check_withdrawal(run_dir, name)
-    TenantBook(RunDir(run_dir)).withdraw(name, reason)
-
-
-def check_withdrawal(run_dir: str | Path, name: str) -> None:
-    """Adapter `name` is one of the multi-LoRA run's at `run_dir`, and neither withdrawn nor failed yet."""
-    directory, config = _recorded_run(run_dir)
-    book = TenantBook(directory)
-    known = [a.name for a in [*config.adapters, *book.submitted()]]
-    if name not in known:
-        raise ConfigError(f"{run_dir} has no adapter {name!r}; its adapters: {', '.join(known)}")
-    if name in book.withdrawn():
-        raise ConfigError(f"adapter {name!r} of {run_dir} is withdrawn already")
-    if name in book.failed():
-        raise ConfigError(f"adapter {name!r} of {run_dir} has failed ({book.failed()[name]['error']}); it is retired")
-
-
-def adapter_states(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Each adapter of the multi-LoRA run at `run_dir`: where it came from (config, tenant), its trainer group,
-    rollouts trained of its budget, and its state: waiting (not started yet), training, done, withdrawn, failed."""
-    directory, config = _recorded_run(run_dir)
-    book = TenantBook(directory)
-    withdrawn, failed = book.withdrawn(), book.failed()
-    rows = []
-    for origin, adapters in (("config", config.adapters), ("tenant", book.submitted())):
-        for adapter in adapters:
-            trained = len(directory.adapter(adapter.name).ledger().trained)
-            if adapter.name in failed:
-                state = "failed"
-            elif adapter.name in withdrawn:
-                state = "withdrawn"
-            elif trained >= adapter.num_steps:
-                state = "done"
-            else:
-                state = "training" if directory.adapter(adapter.name).path.is_dir() else "waiting"
-            rows.append(
-                {
-                    "name": adapter.name,
-                    "origin": origin,
-                    "trainer_group": adapter.trainer_group,
-                    "trained": trained,
-                    "num_steps": adapter.num_steps,
-                    "state": state,
-                }
-            )
-    return rows
-
-
-def _recorded_run(run_dir: str | Path) -> tuple[RunDir, RunConfig]:
-    """The multi-LoRA run directory and the config of its last start."""
-    directory = RunDir(run_dir)
-    recorded = directory.recorded_config()
-    if recorded is None or not directory.adapters_path.is_dir():
-        raise ConfigError(f"{run_dir}: no multi-LoRA run has started there; start one first (miles run multi-lora)")
-    return directory, RunConfig.model_validate(recorded)
-
-
-def _check_adapter(config: RunConfig, adapter: AdapterConfig, where: str) -> PolicyInputs:
-    """The adapter's view of the run, its data and reward, checked (`where`: how errors name it)."""
-    if config.model.path is None and adapter.data.task is None:
-        raise ConfigError(
-            f"{where}.data.task: the embedded base model is built for built-in tasks; "
-            f"set a task for adapter {adapter.name!r} or set model.path"
-        )
-    with _naming(where, adapter):
-        return check_inputs(config.adapter_view(adapter))
-
-
-@contextmanager
-def _naming(where: str, adapter: AdapterConfig) -> Iterator[None]:
-    """A ConfigError raised in the block, naming the adapter (`where`)."""
-    try:
-        yield
-    except ConfigError as exc:
-        raise ConfigError(f"{where} ({adapter.name}): {exc}") from None
-
-
-def _base_tasks(config: RunConfig) -> list[str]:
-    """The built-in tasks the embedded base model is built for: the configured adapters' (a tenant's never change it)."""
-    return sorted({a.data.task for a in resolve_adapters(config) if a.data.task is not None})
-
-
-def _starting_tokenizer(config: RunConfig):
-    return starting_tokenizer(config, _base_tasks(config))
 
 
 class AdaptersFailed(RuntimeError):
@@ -307,9 +160,9 @@ class MultiLoRARun:
     def _start(self, checked: dict[str, PolicyInputs]) -> None:
         config = self.config
         self._resources.callback(self.run_dir.lock().release)
-        self.initial_model = initial_model(self.run_dir, config, _base_tasks(config))
+        self.initial_model = initial_model(self.run_dir, config, base_tasks(config))
         self.tokenizer = AutoTokenizer.from_pretrained(self.initial_model)
-        self.start_tokenizer = _starting_tokenizer(config)
+        self.start_tokenizer = base_tokenizer(config)
         tenants = self.book.submitted()
         ensure_ray(
             config.ray_address,
@@ -358,8 +211,8 @@ class MultiLoRARun:
             where = f"tenant {tenant.name}"
             try:
                 config = self.config.model_copy(update={"adapters": [*self.config.adapters, tenant]})
-                inputs = _check_adapter(config, tenant, where)
-                with _naming(where, tenant):
+                inputs = check_adapter(config, tenant, where)
+                with naming(where, tenant):
                     check_context(inputs, self.start_tokenizer)
             except ConfigError as exc:
                 self.book.fail(tenant.name, str(exc))

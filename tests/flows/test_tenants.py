@@ -10,7 +10,8 @@ import ray
 
 from miles.config import AdapterConfig, DataConfig
 from miles.loop import run_multi_lora
-from miles.multi_lora.run import AdaptersFailed, adapter_states, submit_tenant, withdraw_adapter
+from miles.multi_lora.admin import adapter_states, submit_tenant, withdraw_adapter
+from miles.multi_lora.run import AdaptersFailed
 from miles.state.run_dir import RunDir
 from tests.flows.test_multi_lora import _adapter_weights
 from tests.helpers import max_abs_diff

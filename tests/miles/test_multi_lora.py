@@ -4,7 +4,7 @@ import pytest
 
 from miles.cluster.placement import ray_actors
 from miles.config import ConfigError, load_config
-from miles.multi_lora.run import check_adapter_inputs, resolve_adapters
+from miles.multi_lora.inputs import check_adapter_inputs, resolve_adapters
 
 
 def test_embedded_model_defaults_to_one_adapter_per_built_in_task():

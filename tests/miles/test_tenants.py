@@ -8,7 +8,7 @@ import pytest
 
 from flows.cli import main
 from miles.config import AdapterConfig, ConfigError, DataConfig
-from miles.multi_lora.run import adapter_states, check_tenant, submit_tenant, withdraw_adapter
+from miles.multi_lora.admin import adapter_states, check_tenant, submit_tenant, withdraw_adapter
 from miles.multi_lora.tenants import TenantBook
 from miles.state.run_dir import RunDir
 
