@@ -84,6 +84,14 @@ def test_override_without_file_and_null_value():
     assert config.data.prompt_key == "question"
 
 
+def test_an_override_of_a_string_field_is_its_text_and_of_any_other_its_yaml_value():
+    """A string field takes the text as it is, whatever YAML would read in it (a split named 2024, a system prompt
+    'yes'); other fields take the YAML value, typed by the field."""
+    config = load_config(None, ["data.split=2024", "data.system_prompt=yes", "train.lr=1e-3", "data.shuffle=no"])
+    assert (config.data.split, config.data.system_prompt) == ("2024", "yes")
+    assert (config.train.lr, config.data.shuffle) == (1e-3, False)
+
+
 def test_bad_override_syntax():
     with pytest.raises(ConfigError, match="a.b=value"):
         load_config(None, ["train.lr"])
