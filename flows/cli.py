@@ -186,16 +186,16 @@ def _control(args: argparse.Namespace) -> int:
     import yaml
     from prefect.flow_runs import resume_flow_run
 
-    from flows import control
+    from control.requests import ask_cancel, ask_pause, resume
     from miles.config import ConfigError
 
     flow_run_id = UUID(args.flow_run_id)
     try:
         if args.command == "pause":
-            control.ask_pause(flow_run_id, args.release, args.reason)
+            ask_pause(flow_run_id, args.release, args.reason)
             print(f"flow run {flow_run_id} pauses after the iteration in flight")
         elif args.command == "cancel":
-            control.ask_cancel(flow_run_id, args.reason)
+            ask_cancel(flow_run_id, args.reason)
             print(f"flow run {flow_run_id} ends after the iteration in flight")
         elif args.command == "approve":
             answer = {"approve": not args.reject, "changed_by": args.by, "reason": args.reason}
@@ -208,7 +208,7 @@ def _control(args: argparse.Namespace) -> int:
                 if not sep:
                     raise ConfigError(f"--set {text!r} is not of the form name=value")
                 values[name] = yaml.safe_load(raw)
-            control.resume(flow_run_id, values, args.by, args.reason)
+            resume(flow_run_id, values, args.by, args.reason)
             print(f"flow run {flow_run_id} resumed" + (f" with {values}" if values else ""))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
