@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from miles.config import load_config
+from miles.config import MID_RUN_FIELDS, load_config
 from miles.state.run_dir import RunDir
 from tests.helpers.waiting import eventually
 
@@ -421,9 +421,9 @@ def test_a_paused_run_takes_the_form_in_the_ui_at_resume_and_its_checkpoints_sta
                 page.get_by_text("Paused before rollout 1").first.wait_for(timeout=60_000)  # the form's description
                 form = page.get_by_role("dialog")
                 labels = [form.get_by_text(f"{name} (Optional)", exact=True).count() for name in ("Lr", "Temperature")]
-                inputs = form.locator("input")
-                prefilled = inputs.first.input_value()
-                inputs.first.fill("0.003")  # lr
+                lr = form.locator("input").nth(list(MID_RUN_FIELDS).index("lr"))  # one input per field, in order
+                prefilled = lr.input_value()
+                lr.fill("0.003")
                 texts = form.locator("input[type=text], textarea")
                 texts.first.fill("ui")  # changed_by (reason is the other text field)
                 page.screenshot(path=str(tmp_path / "pause-form.png"), full_page=True)
