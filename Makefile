@@ -115,7 +115,7 @@ test-fast: install
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 --fast
 
-# The documentation site (docs/, mkdocs.yml) into .site/; the configuration reference is made from miles/config.py.
+# The documentation site (docs/, mkdocs.yml) into .site/; the configuration reference is made from miles/config/.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
