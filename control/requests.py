@@ -259,6 +259,14 @@ def _changes_artifact(run: Any, flow_name: str) -> None:
     )
 
 
+class Approval(RunInput):
+    """The rl-pipeline's approval form: the UI's Resume form and `miles approve` answer it alike."""
+
+    approve: bool = pydantic.Field(False, description="promote this checkpoint")
+    changed_by: str = pydantic.Field("", description="who decides (recorded)")
+    reason: str = pydantic.Field("", description="why (recorded; a rejection's reason is what the run's owner reads)")
+
+
 # Asking from outside the flow run (the `miles` CLI).
 
 
@@ -288,3 +296,8 @@ def resume(flow_run_id: UUID, values: dict[str, Any], by: str = "", reason: str 
                 f"flow run {flow_run_id} is paused without a form (a multi-LoRA run): it takes no changes"
             )
     resume_flow_run(flow_run_id, run_input={**values, "changed_by": by, "reason": reason})
+
+
+def answer_approval(flow_run_id: UUID, approve: bool, by: str = "", reason: str = "") -> None:
+    """Answer a paused rl-pipeline's approval form, as its Resume form in the UI does."""
+    resume_flow_run(flow_run_id, run_input=Approval(approve=approve, changed_by=by, reason=reason).model_dump())

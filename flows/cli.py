@@ -184,9 +184,8 @@ def _control(args: argparse.Namespace) -> int:
     from uuid import UUID
 
     import yaml
-    from prefect.flow_runs import resume_flow_run
 
-    from control.requests import ask_cancel, ask_pause, resume
+    from control.requests import answer_approval, ask_cancel, ask_pause, resume
     from miles.config import ConfigError
 
     flow_run_id = UUID(args.flow_run_id)
@@ -198,8 +197,7 @@ def _control(args: argparse.Namespace) -> int:
             ask_cancel(flow_run_id, args.reason)
             print(f"flow run {flow_run_id} ends after the iteration in flight")
         elif args.command == "approve":
-            answer = {"approve": not args.reject, "changed_by": args.by, "reason": args.reason}
-            resume_flow_run(flow_run_id, run_input=answer)
+            answer_approval(flow_run_id, not args.reject, args.by, args.reason)
             print(f"flow run {flow_run_id}: checkpoint {'rejected' if args.reject else 'approved'}")
         else:
             values = {}

@@ -17,11 +17,9 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.flow_runs import pause_flow_run
-from prefect.input import RunInput
-from pydantic import Field
 
 from control.policy import check_deployment_run
-from control.requests import pause_timeout_s
+from control.requests import Approval, pause_timeout_s
 from flows.eval import rl_eval
 from flows.registry import FLOWS
 from miles.config import RunConfig
@@ -29,12 +27,6 @@ from miles.evaluation.promote import export_checkpoint, record_decision
 from miles.lineage import describe, markdown
 from miles.state.checkpoint import latest_checkpoint
 from miles.state.run_dir import RunDir
-
-
-class Approval(RunInput):
-    approve: bool = Field(False, description="promote this checkpoint")
-    changed_by: str = Field("", description="who decides (recorded)")
-    reason: str = Field("", description="why (recorded; a rejection's reason is what the run's owner reads)")
 
 
 @flow(name="rl-pipeline")
