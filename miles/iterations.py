@@ -358,6 +358,14 @@ class PolicyRun:
         data sets."""
         return self.iterations.evaluate(rollout_id)
 
+    def push_trained(self, rollout_id: int, push: Callable[[int], None]) -> int:
+        """Push the trainer's version (the weights trained on `rollout_id`) with `push`, timed as the iteration's sync;
+        returns that version."""
+        version = self.iterations.trainer_version
+        with self.iterations.timed(rollout_id, "sync"):
+            push(version)
+        return version
+
     def finish_iteration(self, rollout_id: int) -> dict[str, Any]:
         """Append the iteration's record to the policy's metrics.jsonl (once per rollout_id) and show it."""
         record = self.iterations.finish_iteration(rollout_id)

@@ -387,10 +387,7 @@ class RLRun(PolicyRun):
 
     def sync_weights(self, rollout_id: int) -> int:
         """Push the weights trained on `rollout_id` (the trainer's version) to every engine."""
-        version = self.iterations.trainer_version
-        with self.iterations.timed(rollout_id, "sync"):
-            self._push_weights(version)
-        return version
+        return self.push_trained(rollout_id, self._push_weights)
 
     def save_checkpoint(self, rollout_id: int) -> str:
         """The policy's checkpoint of `rollout_id`, and the critic's (first, in its own directory) with one."""

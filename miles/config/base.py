@@ -49,11 +49,33 @@ def section_type(annotation: Any) -> type[Section] | None:
     return None
 
 
+def list_item(annotation: Any) -> Any:
+    """The item type of a field that holds a list (alone or optional); None for any other field."""
+    for candidate in (annotation, *(get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ())):
+        if get_origin(candidate) is list:
+            return get_args(candidate)[0]
+    return None
+
+
 def holds_list(annotation: Any) -> bool:
     """Whether a field holds a list (alone or optional)."""
-    if get_origin(annotation) in (Union, UnionType):
-        return any(get_origin(candidate) is list for candidate in get_args(annotation))
-    return get_origin(annotation) is list
+    return list_item(annotation) is not None
+
+
+def along(schema: type[BaseModel], keys: list[str]) -> tuple[list[tuple[FieldInfo, Any]], bool]:
+    """The fields the dotted path `keys` passes through in `schema`, outermost first, each with the type the path
+    holds after it: the field's own, or its list's item type where the next key names an item (an index, or an
+    adapter's name); and whether the whole path is in the schema (the walk stops before a key it does not have)."""
+    found, model, rest = [], schema, list(keys)
+    while rest and model is not None and rest[0] in model.model_fields:
+        info = model.model_fields[rest.pop(0)]
+        kind = info.annotation
+        if holds_list(kind) and rest:
+            rest.pop(0)
+            kind = list_item(kind)
+        found.append((info, kind))
+        model = section_type(kind)
+    return found, not rest
 
 
 class Section(BaseModel):
@@ -92,18 +114,8 @@ class Section(BaseModel):
 def changes_freely(schema: type[Section], field: str) -> bool:
     """Whether the dotted `field` of `schema` may differ between starts: it, or a section holding it, is marked
     CHANGES_FREELY. A list's item is named by any key (its index, or an adapter's name); an unknown field is compared."""
-    keys = field.split(".")
-    kind: type[Section] | None = schema
-    while keys and kind is not None:
-        info = kind.model_fields.get(keys.pop(0))
-        if info is None:
-            return False
-        if has_mark(info, CHANGES_FREELY):
-            return True
-        if holds_list(info.annotation) and keys:
-            keys.pop(0)
-        kind = section_type(info.annotation)
-    return False
+    found, _ = along(schema, field.split("."))
+    return any(has_mark(info, CHANGES_FREELY) for info, _ in found)
 
 
 class ConfigError(ValueError):

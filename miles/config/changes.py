@@ -11,20 +11,12 @@ import pydantic
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
-from miles.config.base import Section, changes_freely
+from miles.config.base import Section, along, changes_freely
 from miles.config.run import ConfigChange, RunConfig, mid_run_fields
 from miles.state.run_dir import RunDir
 
 # The form's names of the fields a paused run may change, in the config's order: {'num_rollout': 'num_rollout', ...}.
 MID_RUN_FIELDS = mid_run_fields()
-
-
-def field_info(config: type[BaseModel], field: str) -> FieldInfo:
-    """The schema of the dotted `field` (e.g. train.lr) of the section class `config`."""
-    *sections, name = field.split(".")
-    for section in sections:
-        config = config.model_fields[section].annotation
-    return config.model_fields[name]
 
 
 def field_value(config: BaseModel, field: str) -> Any:
@@ -58,7 +50,7 @@ class _MidRunForm(Section):
 
 def _form_field(field: str) -> tuple[Any, FieldInfo]:
     """A form field with the config field's type and bounds, described by its dotted name."""
-    info = field_info(RunConfig, field)
+    info = along(RunConfig, field.split("."))[0][-1][0]
     return info.annotation, FieldInfo.merge_field_infos(
         info, description=f"{field}: {info.description}", json_schema_extra=None
     )

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from itertools import pairwise
 from pathlib import Path
-from types import UnionType
-from typing import Any, Union, get_args, get_origin
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from miles.config.adapters import AdapterConfig
-from miles.config.base import ConfigError, Section, format_validation_error
+from miles.config.base import ConfigError, Section, along, format_validation_error
 from miles.config.run import RunConfig
 
 
@@ -23,7 +22,8 @@ def _parse_override(text: str, schema: type[BaseModel]) -> tuple[list[str], Any]
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form a.b=value")
     keys = key.split(".")
-    kind = _field_kind(keys, schema)
+    found, complete = along(schema, keys)
+    kind = found[-1][1] if complete else None
     if kind in (str, str | None):
         return keys, None if kind is not str and raw in ("null", "~") else raw
     try:
@@ -37,24 +37,6 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     mark = getattr(exc, "problem_mark", None)
     where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
     return f"{getattr(exc, 'problem', None) or str(exc).splitlines()[0]}{where}"
-
-
-def _field_kind(keys: list[str], schema: type[BaseModel]) -> Any:
-    """The annotation of the `schema` field at `keys` (list items by index), or None when there is no such field."""
-    kind: Any = schema
-    for key in keys:
-        if get_origin(kind) is list and key.isdigit():
-            kind = get_args(kind)[0]
-            continue
-        if get_origin(kind) in (Union, UnionType):  # an optional section, e.g. `list[...] | None`
-            kind = next((k for k in get_args(kind) if k is not type(None)), None)
-            if get_origin(kind) is list and key.isdigit():
-                kind = get_args(kind)[0]
-                continue
-        if not (isinstance(kind, type) and issubclass(kind, BaseModel)) or key not in kind.model_fields:
-            return None
-        kind = kind.model_fields[key].annotation
-    return kind
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, **fields: Any) -> RunConfig:

@@ -119,10 +119,7 @@ class AdapterRun(PolicyRun):
 
     def push_adapter(self, rollout_id: int) -> int:
         """Load the adapter trained on `rollout_id` (the trainer's version of it) into every engine; others untouched."""
-        version = self.iterations.trainer_version
-        with self.iterations.timed(rollout_id, "sync"):
-            self._push(version)
-        return version
+        return self.push_trained(rollout_id, self._push)
 
     def save_checkpoint(self, rollout_id: int) -> str:
         return self.trainer.call(
